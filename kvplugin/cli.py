@@ -1,0 +1,122 @@
+"""The ``kvplugin`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import resources
+from typing import Any
+
+EXAMPLE_TRACE = "example_trace.json"
+
+
+def _stem(path: str) -> str:
+    stem = os.path.basename(path)
+    for suffix in (".json", ".trace"):
+        stem = stem.removesuffix(suffix)
+    return stem
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvplugin.replay import TraceError, UnsupportedTraceError, bench, dump_result, \
+        load_trace, run_trace
+
+    if len(args.traces) > 1 and not (args.out_dir or args.bench):
+        print("kvplugin replay: several traces need --out-dir", file=sys.stderr)
+        return 2
+    rc = 0
+    for path in args.traces:
+        try:
+            trace = load_trace(path)
+            if args.bench:
+                stats = bench(trace, args.bench)
+                stats["trace"] = path
+                print(json.dumps(stats))
+                continue
+            result = run_trace(trace, stop_on_error=args.stop_on_error)
+        except UnsupportedTraceError as e:
+            print(f"kvplugin replay: {path}: not supported: {e}", file=sys.stderr)
+            return 3
+        except (TraceError, OSError, ValueError) as e:
+            print(f"kvplugin replay: {path}: {e}", file=sys.stderr)
+            return 2
+        if result["summary"]["num_errors"]:
+            rc = 1
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            out = os.path.join(args.out_dir, _stem(path) + ".result.json")
+            with open(out, "w") as f:
+                dump_result(result, f)
+            s = result["summary"]
+            print(f"{path}: {s['num_results']}/{s['num_ops']} ops, {s['num_errors']} errors, "
+                  f"{s['allocate_slots_failed']} failed allocations, final free blocks "
+                  f"{s['final_num_free_blocks']}", file=sys.stderr)
+        elif args.output:
+            with open(args.output, "w") as f:
+                dump_result(result, f)
+        else:
+            dump_result(result, sys.stdout)
+    return rc
+
+
+def summarize(result: dict[str, Any]) -> str:
+    rows = result["results"]
+    s = result["summary"]
+    requests = sum(1 for r in rows if r["op"] == "add_request")
+    lookups = [r for r in rows if r["op"] == "get_computed_blocks"]
+    hit_tokens = sum(r.get("num_computed_tokens", 0) for r in lookups)
+    allocs = [r for r in rows if r["op"] == "allocate_slots"]
+    prompt_tokens = sum(r.get("num_tokens", 0) for r in rows if r["op"] == "add_request")
+    res = result["resolved"]
+    lines = [
+        f"layout       : {res['coordinator']} {res['managers']} block sizes "
+        f"{res['group_block_sizes']}",
+        f"requests     : {requests} ({prompt_tokens} prompt tokens)",
+        f"lookups      : {len(lookups)}, hit tokens {hit_tokens}",
+        f"allocations  : {len(allocs)}, failed (no room) {s['allocate_slots_failed']}",
+        f"errors       : {s['num_errors']}",
+        f"free blocks  : {s['final_num_free_blocks']} of {res['num_free_blocks']} at the end",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvplugin.replay import load_trace, run_trace
+
+    if args.trace:
+        path = args.trace
+    else:
+        path = str(resources.files("kvplugin") / "data" / EXAMPLE_TRACE)
+    result = run_trace(load_trace(path))
+    print(f"kvplugin: replayed {os.path.basename(path)} on the allocation core")
+    print(summarize(result))
+    return 1 if result["summary"]["num_errors"] else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvplugin", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    rp = sub.add_parser("replay", help="replay conformance traces on kvplugin's core")
+    rp.add_argument("traces", nargs="+", help="trace JSON file(s)")
+    rp.add_argument("-o", "--output", help="result file (single trace; default stdout)")
+    rp.add_argument("--out-dir", help="write DIR/<trace-stem>.result.json per trace")
+    rp.add_argument("--stop-on-error", action="store_true")
+    rp.add_argument("--bench", type=int, metavar="N",
+                    help="replay each trace N times and print ops/sec as JSON")
+    rp.set_defaults(func=cmd_replay)
+    run = sub.add_parser("run", help="run the main job on the embedded default")
+    run.add_argument("--trace", help="replay this trace instead of the bundled example")
+    run.set_defaults(func=cmd_run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""The block pool: free queue, hash→block map, ref counts and KV events.
+
+One pool is shared by every KV-cache group.  Eviction order (what ``get_new_blocks`` takes
+first) is the free queue's head: freed blocks without a hash are prepended (they can never
+hit, and LIFO reuse keeps device locality), freed cached blocks are appended (FIFO among
+them, i.e. least recently released is evicted first).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvplugin.core.blocks import (
+    BlockHash,
+    BlockHashWithGroupId,
+    FreeBlockQueue,
+    KVCacheBlock,
+    external_block_hash,
+    get_block_hash,
+    get_group_id,
+)
+from kvplugin.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from kvplugin.core.hashing import (
+    _mm_cursor_for,
+    generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
+    resolve_block_hashes,
+    to_event_extra_keys,
+)
+from kvplugin.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class BlockHashToBlockMap:
+    """Key → one block, or ``{block_id: block}`` when identical content was computed twice.
+
+    The pool never de-duplicates (block tables stay append-only), so several blocks may
+    share a key; lookups return the first inserted one.  The union keeps the common
+    single-block case free of an inner dict.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        blocks = self._cache.get(key)
+        if blocks is None or type(blocks) is KVCacheBlock:
+            return blocks  # type: ignore[return-value]
+        return next(iter(blocks.values()))  # type: ignore[union-attr]
+
+    def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return False
+        if type(blocks) is KVCacheBlock:
+            return blocks.block_id == block_id  # type: ignore[union-attr]
+        return block_id in blocks  # type: ignore[operator]
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif type(blocks) is KVCacheBlock:
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}  # type: ignore[union-attr]
+        else:
+            blocks[block.block_id] = block  # type: ignore[index]
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        blocks = self._cache.pop(key, None)
+        if blocks is None:
+            return None
+        if type(blocks) is KVCacheBlock:
+            if blocks.block_id == block_id:  # type: ignore[union-attr]
+                return blocks  # type: ignore[return-value]
+            self._cache[key] = blocks
+            return None
+        block = blocks.pop(block_id, None)  # type: ignore[union-attr]
+        if blocks:
+            self._cache[key] = blocks
+        return block
+
+    def keys(self) -> Iterable[BlockHashWithGroupId]:
+        return self._cache.keys()
+
+    def blocks_under(self, key: BlockHashWithGroupId) -> list[KVCacheBlock]:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return []
+        if type(blocks) is KVCacheBlock:
+            return [blocks]  # type: ignore[list-item]
+        return list(blocks.values())  # type: ignore[union-attr]
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+class BlockPool:
+    """Owns every block of one device pool; block 0 is the null block."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.medium = medium
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # block id -> secondary keys (partial-prefix entries of a block that has a primary)
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def get_cached_block(self, block_hash: BlockHash,
+                         kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        """The first cached block of ``block_hash`` in every group, or None on any miss."""
+        get = self.cached_block_hash_to_block.get_one_block
+        out: list[KVCacheBlock] = []
+        for gid in kv_cache_group_ids:
+            block = get(block_hash + gid.to_bytes(4, "big"))
+            if block is None:
+                return None
+            out.append(block)
+        return out
+
+    # ------------------------------------------------------------------ caching
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        """Register table positions ``[num_cached_blocks, num_full_blocks)`` in the cache."""
+        if num_cached_blocks >= num_full_blocks:
+            return
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        if block_mask is not None and len(block_mask) != len(new_blocks):
+            raise AssertionError("block_mask length does not match the new blocks")
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        suffix = kv_cache_group_id.to_bytes(4, "big")
+        events = self.enable_kv_cache_events
+        stored: list[int] = []
+        for i, blk in enumerate(new_blocks):
+            if blk.is_null or (block_mask is not None and not block_mask[i]):
+                continue
+            block_hash = hashes[num_cached_blocks + i]
+            num_tokens = (num_cached_blocks + i + 1) * block_size
+            if blk.block_hash is not None:
+                # Only partial->full promotion of the same block may meet a hashed block.
+                if blk.block_hash_num_tokens is None or blk.block_hash_num_tokens >= num_tokens:
+                    raise AssertionError(f"block {blk.block_id} is already cached")
+                self._emit_removed(self._remove_cached_block_hashes(blk))
+            self._insert_block_hash(block_hash + suffix, blk, num_tokens)
+            if events:
+                stored.append(external_block_hash(block_hash))
+        if events:
+            parent = (external_block_hash(hashes[num_cached_blocks - 1])
+                      if num_cached_blocks else None)
+            extra = self._event_extra_keys(request, blocks, num_cached_blocks, num_full_blocks,
+                                           block_size, block_mask)
+            self.kv_event_queue.append(self._stored_event(
+                request, stored, parent, num_cached_blocks * block_size,
+                num_full_blocks * block_size, block_size, kv_cache_group_id, *extra))
+
+    def _event_extra_keys(
+        self, request: Request, blocks: Sequence[KVCacheBlock], first: int, last: int,
+        block_size: int, block_mask: Sequence[bool] | None,
+    ) -> tuple[list[tuple[Any, ...] | None], list[list[int]] | None]:
+        keys: list[tuple[Any, ...] | None] = []
+        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
+        if request.has_no_extra_keys and lookahead is None:
+            n = sum(1 for i in range(first, last) if not blocks[i].is_null
+                    and (block_mask is None or block_mask[i - first]))
+            return [None] * n, None
+        mm_idx = 0
+        for i in range(first, last):
+            if blocks[i].is_null or (block_mask is not None and not block_mask[i - first]):
+                continue
+            start = i * block_size
+            k, mm_idx = self._extra_keys(request, start, start + block_size, mm_idx)
+            keys.append(k)
+            if lookahead is not None:
+                lookahead.append(self._lookahead_tokens(request, start + block_size))
+        return keys, lookahead
+
+    def _extra_keys(self, request: Request, start: int, end: int,
+                    mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
+        if self.num_hash_lookahead_tokens:
+            return generate_lookahead_block_hash_extra_keys(
+                request, start, end, end + self.num_hash_lookahead_tokens, mm_idx)
+        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+    def _lookahead_tokens(self, request: Request, block_end: int) -> list[int]:
+        return request.all_token_ids[block_end:block_end + self.num_hash_lookahead_tokens]
+
+    def _stored_event(
+        self, request: Request, hashes: list[int], parent: int | None, start: int, end: int,
+        block_size: int, group_id: int, extra_keys: list[tuple[Any, ...] | None],
+        lookahead: list[list[int]] | None,
+    ) -> BlockStored:
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=request.all_token_ids[start:end],
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            medium=self.medium,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra_keys),
+            group_idx=group_id,
+            session_id=request.session_id,
+            lookahead_token_ids=lookahead,
+        )
+
+    def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
+                                 block_size: int, kv_cache_group_id: int) -> None:
+        """Re-announce the first ``num_cached_blocks`` blocks of a hit (no state change)."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        ext = [external_block_hash(hashes[i]) for i in range(num_cached_blocks)]
+        keys: list[tuple[Any, ...] | None] = []
+        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
+        mm_idx = 0
+        for i in range(num_cached_blocks):
+            k, mm_idx = self._extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+            keys.append(k)
+            if lookahead is not None:
+                lookahead.append(self._lookahead_tokens(request, (i + 1) * block_size))
+        self.kv_event_queue.append(self._stored_event(
+            request, ext, None, 0, num_cached_blocks * block_size, block_size,
+            kv_cache_group_id, keys, lookahead))
+
+    def cache_partial_block(
+        self, request: Request, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int,
+        block_size: int, replace_existing_hashes: bool = False,
+    ) -> BlockHashWithGroupId | None:
+        """Make an existing block reachable from a hash boundary that ends inside it."""
+        if block.is_null:
+            return None
+        hbs = self.hash_block_size
+        if block_size % hbs or num_tokens % hbs:
+            raise AssertionError("partial entries must sit on hash-block boundaries")
+        n_hash = num_tokens // hbs
+        if not 0 < n_hash <= len(request.block_hashes):
+            raise AssertionError(f"no block hash at token {num_tokens}")
+        block_hash = request.block_hashes[n_hash - 1]
+        key = block_hash + kv_cache_group_id.to_bytes(4, "big")
+        already = block.block_hash == key or self.cached_block_hash_to_block.contain(
+            key, block.block_id)
+        if replace_existing_hashes:
+            self._emit_removed(self._remove_cached_block_hashes(block))
+            already = False
+        elif (not already and block.block_hash is not None
+              and block.block_hash_num_tokens is not None
+              and block.block_hash_num_tokens < n_hash * hbs):
+            self._emit_removed(self._remove_cached_block_hashes(block))
+        self._insert_block_hash(key, block, n_hash * hbs)
+        if self.enable_kv_cache_events and not already:
+            parent = request.block_hashes[n_hash - 2] if n_hash > 1 else None
+            start = (n_hash - 1) * hbs
+            mm_idx = _mm_cursor_for(request, start, hbs)
+            keys, _ = self._extra_keys(request, start, num_tokens, mm_idx)
+            lookahead = ([self._lookahead_tokens(request, num_tokens)]
+                         if self.num_hash_lookahead_tokens else None)
+            self.kv_event_queue.append(self._stored_event(
+                request, [external_block_hash(block_hash)],
+                None if parent is None else external_block_hash(parent),
+                start, num_tokens, num_tokens - start, kv_cache_group_id, [keys], lookahead))
+        return key
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        keys: list[BlockHashWithGroupId] = []
+        if block.block_hash is not None:
+            keys.append(block.block_hash)
+        if self.cached_block_hashes_by_block:
+            keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+        if not keys:
+            return keys
+        pop = self.cached_block_hash_to_block.pop
+        removed = [k for k in keys if pop(k, block.block_id) is not None]
+        block.block_hash = None
+        block.block_hash_num_tokens = None
+        return removed
+
+    def _emit_removed(self, keys: list[BlockHashWithGroupId]) -> None:
+        if not self.enable_kv_cache_events:
+            return
+        for key in keys:
+            self.kv_event_queue.append(BlockRemoved(
+                block_hashes=[external_block_hash(get_block_hash(key))],
+                medium=self.medium, group_idx=get_group_id(key)))
+
+    def _insert_block_hash(self, key: BlockHashWithGroupId, block: KVCacheBlock,
+                           num_tokens: int | None) -> None:
+        if block.block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id):
+            return
+        if block.block_hash is None:
+            block.block_hash = key
+            block.block_hash_num_tokens = num_tokens
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert(key, block)
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point every key of ``src_block`` to the unhashed ``dst_block`` (no events)."""
+        if dst_block.block_hash is not None or dst_block.block_id in self.cached_block_hashes_by_block:
+            raise AssertionError(f"block {dst_block.block_id} is already cached")
+        num_tokens = src_block.block_hash_num_tokens
+        for key in self._remove_cached_block_hashes(src_block):
+            self._insert_block_hash(key, dst_block, num_tokens)
+
+    # ------------------------------------------------------------------ allocation
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` from the head, evicting their cached identity."""
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        if num_blocks > len(self.free_block_queue):
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        if self.enable_caching:
+            for block in ret:
+                if block.block_hash is not None or self.cached_block_hashes_by_block:
+                    self._emit_removed(self._remove_cached_block_hashes(block))
+                block.ref_cnt = 1
+        else:
+            for block in ret:
+                block.ref_cnt = 1
+        return ret
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling evictable ones off the queue."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per entry; ``ordered_blocks`` is in eviction-priority order.
+
+        The whole call is validated first, so a double free raises before any count moves.
+        """
+        blocks = [b for b in ordered_blocks if not b.is_null]
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise ValueError(f"free of block {b.block_id} whose ref count is {b.ref_cnt}: "
+                                 "double free or a block this pool never handed out")
+        if len(blocks) > 1 and len({b.block_id for b in blocks}) != len(blocks):
+            self._check_duplicate_frees(blocks)
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        caching = self.enable_caching
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.block_hash is None or not caching:
+                    first.append(b)
+                else:
+                    last.append(b)
+        if first:
+            self.free_block_queue.prepend_n(first)
+        if last:
+            self.free_block_queue.append_n(last)
+
+    @staticmethod
+    def _check_duplicate_frees(blocks: list[KVCacheBlock]) -> None:
+        counts: dict[int, int] = {}
+        for b in blocks:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for b in blocks:
+            if counts[b.block_id] > b.ref_cnt:
+                raise ValueError(f"free of block {b.block_id} {counts[b.block_id]} times with "
+                                 f"ref count {b.ref_cnt}: double free")
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
+                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Release refs of blocks still being read until reused: tail of the queue."""
+        released = []
+        for block in blocks:
+            if block.is_null or block.ref_cnt <= 0:
+                raise ValueError(f"unpin of block {block.block_id} with ref count {block.ref_cnt}")
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cache identity of blocks (ref counts and queue position unchanged)."""
+        ids = list(block_ids)
+        for bid in ids:
+            if not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
+                raise ValueError(f"Invalid block_id {bid!r}: the pool has {self.num_gpu_blocks} "
+                                 "blocks")
+        for bid in ids:
+            self._emit_removed(self._remove_cached_block_hashes(self.blocks[bid]))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash, only when no block but the null block is in use."""
+        used = self.num_gpu_blocks - len(self.free_block_queue)
+        if used != 1:
+            logger.warning("Failed to reset prefix cache because some blocks (%d) are not "
+                           "freed yet", used - 1)
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
+        for block in self.blocks:
+            block.block_hash = None
+            block.block_hash_num_tokens = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    # ------------------------------------------------------------------ queries
+    def get_num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    def get_usage(self) -> float:
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0.0
+        return 1.0 - len(self.free_block_queue) / total
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events

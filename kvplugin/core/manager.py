@@ -1,0 +1,445 @@
+"""``KVCacheManager``: the vLLM-0.33-compatible façade the scheduler calls every step.
+
+Policy lives here (watermark, admission gates, what gets cached when, stats, event
+annotation); per-family rules live in the single-type managers; the coordinator reconciles
+groups.  "No room" is a value (``None``); misuse raises before any state changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvplugin.core.blocks import KVCacheBlock, KVCacheBlockCopy
+from kvplugin.core.coordinator import (
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+)
+from kvplugin.core.events import BlockStored, KVCacheEvent
+from kvplugin.core.hybrid import HybridKVCacheCoordinator
+from kvplugin.core.request import Request, RequestStatus
+from kvplugin.core.specs import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    cdiv,
+    get_kv_cache_spec_sliding_window,
+)
+from kvplugin.core.stats import PrefixCacheStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Per-group block lists: ``blocks[group][position]``."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks,
+                                                             strict=True)))
+
+    def get_block_ids(self, allow_none: bool = False, *,
+                      group_ids: Sequence[int] | None = None) -> tuple[list[int], ...] | None:
+        groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if allow_none and all(len(g) == 0 for g in groups):
+            return None
+        return tuple([b.block_id for b in g] for g in groups)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        if len(self.blocks) != 1:
+            raise ValueError("get_unhashed_block_ids supports one group only")
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [[b.block_id for b in g if b.block_hash is None and not b.is_null]
+                for g in self.blocks]
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig, max_model_len: int, max_in_flight_tokens: int,
+    use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
+    scheduler_block_size: int, hash_block_size: int, num_hash_lookahead_tokens: int = 0,
+    num_prefill_lookahead: int = 0, allow_partial_hash_hits: bool = True,
+) -> KVCacheCoordinator:
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle,
+            enable_kv_cache_events, scheduler_block_size, hash_block_size,
+            num_prefill_lookahead, num_hash_lookahead_tokens)
+    args = (kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, True,
+            enable_kv_cache_events, scheduler_block_size, hash_block_size,
+            num_prefill_lookahead, num_hash_lookahead_tokens)
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(*args)
+    return HybridKVCacheCoordinator(*args, allow_partial_hash_hits=allow_partial_hash_hits)
+
+
+def _validate_config(config: KVCacheConfig, enable_caching: bool) -> None:
+    if not config.kv_cache_groups:
+        raise ValueError("KVCacheConfig has no KV-cache groups")
+    for i, g in enumerate(config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, MambaSpec) and enable_caching and spec.mamba_cache_mode != "align":
+            raise ValueError(
+                f"group {i}: Mamba mode {spec.mamba_cache_mode!r} cannot prefix-cache; use "
+                "mamba_cache_mode='align' or disable prefix caching")
+        if isinstance(spec, CrossAttentionSpec) and enable_caching:
+            raise ValueError(f"group {i}: cross-attention groups need prefix caching disabled")
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            raise ValueError(f"group {i}: encoder-only layers need no KV cache and are not "
+                             "a scheduler group")
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise ValueError("context parallelism (DCP/PCP > 1) is not supported")
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if not watermark >= 0.0:
+            raise ValueError(f"watermark must be non-negative, got {watermark}")
+        _validate_config(kv_cache_config, enable_caching)
+        self.max_model_len = max_model_len
+        if max_in_flight_tokens is None:
+            max_in_flight_tokens = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, enable_caching,
+            enable_kv_cache_events, scheduler_block_size, hash_block_size,
+            num_hash_lookahead_tokens, num_prefill_lookahead)
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint and bool(self.coordinator.eagle_group_ids)
+            and self.coordinator.enable_partial_hash_hits
+            and self.coordinator.num_reprefillable_tokens == 0)
+        if self.mamba_shared_prefix_checkpoint:
+            for m in self.coordinator.single_type_managers:
+                if isinstance(m.kv_cache_spec, MambaSpec):
+                    m.shared_prefix_checkpoint = True
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_config = kv_cache_config
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.kv_cache_event_metadata = tuple(
+            (g.kv_cache_spec.kind, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups)
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(
+            self.num_kv_cache_groups)))
+
+    # ------------------------------------------------------------------ small members
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last call (read-and-reset), or None when not logging."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
+                            ) -> tuple[KVCacheBlocks, int, int]:
+        """(hit blocks, hit tokens, shared-prefix boundary); read-only.
+
+        The default cap is ``T - 1``: with the whole prompt cached the last token must still
+        be computed to produce logits.
+        """
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length)
+        if hit > 0 and self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
+            self.coordinator.emit_cached_block_events(request, blocks)
+        boundary = hit + uncached if uncached else 0
+        return self.create_kv_cache_blocks(blocks), hit, boundary
+
+    def get_computed_blocks_for_connector(self, request: Request,
+                                          max_cache_hit_length: int | None = None
+                                          ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """Per-group lookup for Mamba hybrids: report the full-attention hit and whether a
+        lagging group diverged (the caller reconciles when no external tokens arrive)."""
+        coord = self.coordinator
+        if not (self.kv_cache_config.has_mamba_layers
+                and isinstance(coord, HybridKVCacheCoordinator)
+                and coord.full_attention_group_id is not None):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        fa = coord.full_attention_group_id
+        blocks, per_group = coord.find_longest_cache_hit_per_group(
+            request.block_hashes, max_cache_hit_length)
+        if any(h > per_group[fa] for h in per_group):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        local = per_group[fa]
+        return self.create_kv_cache_blocks(blocks), local, 0, min(per_group) < local
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for its next step; None when there is no room.
+
+        Only the blocks added by this call are returned (a copy-on-write block first);
+        adopted hits are not.  On None nothing was adopted or allocated (window removal
+        and Mamba checkpoint bookkeeping aside).
+        """
+        _check_counts(num_new_tokens=num_new_tokens,
+                      num_new_computed_tokens=num_new_computed_tokens,
+                      num_lookahead_tokens=num_lookahead_tokens,
+                      num_external_computed_tokens=num_external_computed_tokens,
+                      num_encoder_tokens=num_encoder_tokens, reserved_blocks=reserved_blocks)
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 \
+                and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no "
+                             "computed tokens to adopt")
+        empty = self.empty_kv_cache_blocks.blocks
+        hits = empty if new_computed_blocks is None else new_computed_blocks.blocks
+        if len(hits) != self.num_kv_cache_groups:
+            raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager "
+                             f"{self.num_kv_cache_groups}")
+        coord = self.coordinator
+        rid = request.request_id
+        local = request.num_computed_tokens + num_new_computed_tokens
+        total = min(local + num_external_computed_tokens, self.max_model_len)
+        wm = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
+                                                     RequestStatus.PREEMPTED):
+            wm = self.watermark_blocks
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        free = self.block_pool.free_block_queue
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            need_full = coord.get_num_blocks_to_allocate(
+                rid, full, hits, num_encoder_tokens, total, local, full,
+                apply_admission_cap=True, prefill_end=prefill_end)
+            if need_full + wm > len(free):
+                return None
+        main = total + num_new_tokens
+        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
+        # Free dead window blocks first (always safe) so the count below evicts less.  The
+        # in-flight tokens of dispatched steps may still read theirs.
+        coord.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens),
+                                    request.num_prompt_tokens)
+        need = coord.get_num_blocks_to_allocate(
+            rid, need_slot, hits, num_encoder_tokens, local + num_external_computed_tokens,
+            local, main, prefill_end=prefill_end)
+        if need + wm > len(free) - reserved_blocks:
+            return None
+        if hits is not empty or num_external_computed_tokens > 0:
+            coord.allocate_new_computed_blocks(rid, hits, local, num_external_computed_tokens,
+                                               skip_zeroing_group_ids)
+        new_blocks = coord.allocate_new_blocks(rid, need_slot, main, num_encoder_tokens)
+        if not delay_cache_blocks and self.enable_caching:
+            # Cache at scheduling time; capping at T leaves draft tokens out.
+            coord.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+        return self.create_kv_cache_blocks(new_blocks)
+
+    # ------------------------------------------------------------------ freeing
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first; unknown requests are a no-op."""
+        self.coordinator.free(request.request_id)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        if processed_computed_tokens < 0:
+            raise ValueError("processed_computed_tokens must be >= 0")
+        self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens,
+                                               num_prompt_tokens)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request; the caller later frees ``reversed(blocks)`` on the pool."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.coordinator.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated (cascade attention was removed): always zeros."""
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
+        for ev in events:
+            if type(ev) is not BlockStored or ev.group_idx is None:
+                continue
+            if not 0 <= ev.group_idx < len(meta):
+                logger.warning("Group index `%s` not in KV cache metadata", ev.group_idx)
+                continue
+            ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = meta[ev.group_idx]
+        return events
+
+    # ------------------------------------------------------------------ queries
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in g] for g in self.coordinator.get_blocks(request_id))
+
+    def get_block_ids_for_computed_tokens(self, request_id: str,
+                                          num_computed_tokens: int) -> tuple[list[int], ...]:
+        """Attention groups clipped to the computed tokens; others whole."""
+        out = []
+        for g, ids in zip(self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id),
+                          strict=True):
+            spec = g.kv_cache_spec
+            if not isinstance(spec, AttentionSpec) or isinstance(
+                    spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
+                out.append(ids)
+            else:
+                out.append(ids[:cdiv(num_computed_tokens, spec.block_size)])
+        return tuple(out)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        result: int | None = None
+        for g, blocks in zip(self.kv_cache_config.kv_cache_groups,
+                             self.coordinator.get_blocks(request.request_id), strict=True):
+            spec = g.kv_cache_spec
+            if not spec.prefix_cacheable or isinstance(
+                    spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
+                continue
+            n = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
+            result = n if result is None else min(result, n)
+        return result or 0
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def truncate_computed_blocks(self, blocks: KVCacheBlocks,
+                                 num_computed_tokens: int) -> KVCacheBlocks:
+        """A lookup result sliced at an aligned endpoint (no ref-count effects)."""
+        out: list[list[KVCacheBlock]] = []
+        for lst, m, g in zip(blocks.blocks, self.coordinator.single_type_managers,
+                             self.kv_cache_config.kv_cache_groups, strict=True):
+            if not g.kv_cache_spec.prefix_cacheable:
+                if lst:
+                    raise ValueError("a non-cacheable group cannot carry hits")
+                out.append([])
+                continue
+            if num_computed_tokens % m.block_size:
+                raise ValueError(f"{num_computed_tokens} tokens is not a multiple of group "
+                                 f"block size {m.block_size}")
+            n = num_computed_tokens // m.block_size
+            if isinstance(g.kv_cache_spec, MambaSpec):
+                n = min(n, len(lst))
+            elif n > len(lst):
+                raise ValueError(f"cannot truncate {len(lst)} blocks to {n}")
+            out.append(list(lst[:n]))
+        return self.create_kv_cache_blocks(tuple(out))
+
+    # ------------------------------------------------------------------ per-step drains
+    def take_new_block_ids(self) -> list[int]:
+        ids: list[int] = []
+        for m in self.coordinator.single_type_managers:
+            ids.extend(m.take_new_block_ids())
+        return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        for m in self.coordinator.single_type_managers:
+            if m.records_new_block_ids:
+                if start_token % m.block_size:
+                    raise ValueError("start_token must be block-aligned")
+                table = m.req_to_blocks.get(request_id, [])
+                m.new_block_ids.extend(b.block_id for b in table[start_token // m.block_size:])
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """Pending copy-on-write copies and their retained endpoints ``[src, dst, ...]``;
+        the caller releases one ref on each retained block once the copy has run."""
+        pairs: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        for m in self.coordinator.single_type_managers:
+            pairs.extend(m.take_pending_cow_copies())
+        copies = [KVCacheBlockCopy(s.block_id, d.block_id) for s, d in pairs]
+        return copies, [b for pair in pairs for b in pair]
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for m in self.coordinator.single_type_managers:
+            for rid, gid, block, boundary in m.take_pending_boundary_state_offloads():
+                out.setdefault(rid, []).append((gid, block.block_id, boundary))
+        return out
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        out = []
+        for m in self.coordinator.single_type_managers:
+            done = m.finalize_partial_tail_offload(request.request_id, request.num_computed_tokens,
+                                                   request.num_in_flight_tokens)
+            if done is not None:
+                gid, block, boundary = done
+                out.append((gid, block.block_id, boundary))
+        return out
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+
+def _check_counts(**counts: int) -> None:
+    for name, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")

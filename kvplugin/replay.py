@@ -1,0 +1,509 @@
+"""Replay a ``vllm-kv-oracle-trace/v1`` trace on kvplugin's core and record every result.
+
+The output has the shape of ``vllm-kv-oracle-result/v1`` (see the conformance FORMAT.md), so
+``compare.py`` can diff it against what vLLM 0.33.0's own ``KVCacheManager`` returned.
+This module is the driver only: every decision comes from :mod:`kvplugin.core`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from kvplugin.core.blocks import external_block_hash
+from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvplugin.core.hashing import BlockHasher, HashContext
+from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
+from kvplugin.core.request import LoRAInfo, Request, RequestStatus
+from kvplugin.core.single_type import UnsupportedSpecError
+from kvplugin.core.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    resolve_kv_cache_block_sizes,
+)
+
+FORMAT_TRACE = "vllm-kv-oracle-trace/v1"
+FORMAT_RESULT = "vllm-kv-oracle-result/v1"
+VLLM_VERSION = "0.33.0"  # the behaviour kvplugin's core reproduces
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "block_size": 16,
+    "num_blocks": 256,
+    "groups": [{"kind": "full"}],
+    "enable_caching": True,
+    "max_model_len": 8192,
+    "max_in_flight_tokens": None,
+    "watermark": 0.0,
+    "use_eagle": False,
+    "hash_fn": "sha256_cbor",
+    "none_hash_seed": None,
+    "log_stats": True,
+    "enable_kv_cache_events": True,
+    "prefix_match_unit": None,
+    "prefix_cache_retention_interval": None,
+    "num_hash_lookahead_tokens": 0,
+    "enable_mamba_shared_prefix_checkpoint": False,
+    "record_block_tables": False,
+    "record_block_hashes": True,
+    "events_full_token_ids": False,
+}
+SUPPORTED_HASH_FNS = ("sha256_cbor", "sha256")
+COORDINATOR_NAMES = {
+    "KVCacheCoordinatorNoPrefixCache": "KVCacheCoordinatorNoPrefixCache",
+    "UnitaryKVCacheCoordinator": "UnitaryKVCacheCoordinator",
+    "HybridKVCacheCoordinator": "HybridKVCacheCoordinator",
+}
+
+
+class TraceError(Exception):
+    """The trace itself is malformed or inconsistent (not a manager decision)."""
+
+
+class UnsupportedTraceError(TraceError):
+    """The trace needs a feature this build does not implement (e.g. a group kind)."""
+
+
+def hex16(h: bytes | int | None) -> str | None:
+    if h is None:
+        return None
+    if isinstance(h, int):
+        return f"{h & ((1 << 64) - 1):016x}"
+    return bytes(h)[-8:].hex()
+
+
+def token_digest(tokens: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:16]
+
+
+def jsonable(x: Any) -> Any:
+    if isinstance(x, bytes | bytearray):
+        return bytes(x).hex()
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    return x
+
+
+def build_spec(g: dict[str, Any], default_block_size: int, enable_caching: bool) -> KVCacheSpec:
+    kind = g.get("kind")
+    bs = int(g.get("block_size", default_block_size))
+    if kind == "full":
+        return FullAttentionSpec(block_size=bs)
+    if kind == "sliding_window":
+        return SlidingWindowSpec(block_size=bs, sliding_window=int(g["sliding_window"]))
+    if kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(block_size=bs,
+                                         attention_chunk_size=int(g["attention_chunk_size"]))
+    if kind == "mamba":
+        return MambaSpec(block_size=bs,
+                         mamba_cache_mode=g.get("mode", "align" if enable_caching else "none"),
+                         num_speculative_blocks=int(g.get("num_speculative_blocks", 0)))
+    raise UnsupportedTraceError(f"unsupported group kind {kind!r}")
+
+
+def _list_ids(blocks: KVCacheBlocks) -> list[list[int]]:
+    return [[b.block_id for b in g] for g in blocks.blocks]
+
+
+class Replayer:
+    """One manager plus the scheduler-side request bookkeeping a trace assumes."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        unknown = set(config) - set(DEFAULT_CONFIG)
+        if unknown:
+            raise TraceError(f"unknown config keys: {sorted(unknown)}")
+        cfg = {**DEFAULT_CONFIG, **config}
+        if cfg["hash_fn"] not in SUPPORTED_HASH_FNS:
+            raise TraceError(f"hash_fn must be one of {SUPPORTED_HASH_FNS}")
+        caching = bool(cfg["enable_caching"])
+        groups = cfg["groups"]
+        if not groups:
+            raise TraceError("config.groups must not be empty")
+        specs = [build_spec(g, int(cfg["block_size"]), caching) for g in groups]
+        self.ctx = HashContext.create(cfg["hash_fn"], cfg["none_hash_seed"])
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=int(cfg["num_blocks"]),
+            kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s, bool(g.get("is_eagle_group")))
+                             for i, (g, s) in enumerate(zip(groups, specs, strict=True))],
+            prefix_cache_retention_interval=cfg["prefix_cache_retention_interval"])
+        self.sbs, self.hbs = resolve_kv_cache_block_sizes(
+            self.kv_cache_config, int(cfg["block_size"]),
+            prefix_match_unit=cfg["prefix_match_unit"], enable_caching=caching)
+        self.kv_cache_config.hash_block_size = self.hbs
+        lookahead = int(cfg["num_hash_lookahead_tokens"])
+        try:
+            self.manager = KVCacheManager(
+                self.kv_cache_config, max_model_len=int(cfg["max_model_len"]),
+                scheduler_block_size=self.sbs, hash_block_size=self.hbs,
+                max_in_flight_tokens=cfg["max_in_flight_tokens"], enable_caching=caching,
+                use_eagle=bool(cfg["use_eagle"]), num_hash_lookahead_tokens=lookahead,
+                log_stats=bool(cfg["log_stats"]),
+                enable_kv_cache_events=bool(cfg["enable_kv_cache_events"]),
+                watermark=float(cfg["watermark"]),
+                enable_mamba_shared_prefix_checkpoint=bool(
+                    cfg["enable_mamba_shared_prefix_checkpoint"]))
+        except UnsupportedSpecError as e:
+            raise UnsupportedTraceError(str(e)) from None
+        # As in vLLM's EngineCore: requests get a block hasher only when caching.
+        self.hasher = BlockHasher(self.ctx, self.hbs, lookahead) if caching else None
+        self.requests: dict[str, Request] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.lookups: dict[str, tuple[KVCacheBlocks, int]] = {}
+        self.loras: dict[str, LoRAInfo] = {}
+        self.record_tables = bool(cfg["record_block_tables"])
+        self.record_hashes = bool(cfg["record_block_hashes"])
+        self.full_event_tokens = bool(cfg["events_full_token_ids"])
+        self.initial = self.describe()
+        self.handlers: dict[str, Callable[[dict[str, Any], bool], dict[str, Any] | None]] = {
+            name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
+
+    def describe(self) -> dict[str, Any]:
+        coord = self.manager.coordinator
+        return {
+            "scheduler_block_size": self.sbs,
+            "hash_block_size": self.hbs,
+            "coordinator": type(coord).__name__,
+            "managers": [type(m).__name__ for m in coord.single_type_managers],
+            "group_block_sizes": [m.block_size for m in coord.single_type_managers],
+            "enable_partial_hash_hits": bool(coord.enable_partial_hash_hits),
+            "watermark_blocks": self.manager.watermark_blocks,
+            "none_hash": hex16(self.ctx.none_hash),
+            "num_free_blocks": self.manager.block_pool.get_num_free_blocks(),
+        }
+
+    # ------------------------------------------------------------------ helpers
+    def _req(self, op: dict[str, Any]) -> Request:
+        req = self.requests.get(op.get("id"))  # type: ignore[arg-type]
+        if req is None:
+            raise TraceError(f"unknown or removed request id {op.get('id')!r}")
+        return req
+
+    def _free(self) -> int:
+        return self.manager.block_pool.get_num_free_blocks()
+
+    def _expand(self, spec: list[Any]) -> list[int]:
+        out: list[int] = []
+        for item in spec:
+            if type(item) is int:
+                out.append(item)
+            elif isinstance(item, dict) and "from" in item:
+                src = self.tokens.get(item["from"])
+                if src is None:
+                    raise TraceError(f"token segment refers to unknown {item['from']!r}")
+                start, n = int(item.get("start", 0)), int(item["len"])
+                if start < 0 or n < 0 or start + n > len(src):
+                    raise TraceError(f"segment {item} out of range (source has {len(src)})")
+                out.extend(src[start:start + n])
+            else:
+                raise TraceError(f"bad token item {item!r}")
+        return out
+
+    def _lora(self, op: dict[str, Any]) -> LoRAInfo | None:
+        name = op.get("lora_name")
+        if name is None:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
+            lora = LoRAInfo(name, int(op.get("lora_int_id", len(self.loras) + 1)),
+                            str(op.get("lora_path", f"/loras/{name}")))
+            self.loras[name] = lora
+        return lora
+
+    def _hashes(self, req: Request, before: int) -> dict[str, Any]:
+        res: dict[str, Any] = {"num_block_hashes": len(req.block_hashes)}
+        if self.record_hashes:
+            res["new_block_hashes"] = [h[-8:].hex() for h in req.block_hashes[before:]]
+        return res
+
+    def _event(self, ev: Any) -> dict[str, Any]:
+        if isinstance(ev, BlockStored):
+            d: dict[str, Any] = {
+                "type": "BlockStored",
+                "block_hashes": [hex16(h) for h in ev.block_hashes],
+                "parent_block_hash": hex16(ev.parent_block_hash),
+                "block_size": ev.block_size,
+                "num_token_ids": len(ev.token_ids),
+                "group_idx": ev.group_idx,
+                "lora_id": ev.lora_id,
+                "lora_name": ev.lora_name,
+                "medium": ev.medium,
+                "extra_keys": jsonable(ev.extra_keys),
+                "kv_cache_spec_kind": ev.kv_cache_spec_kind,
+                "kv_cache_spec_sliding_window": ev.kv_cache_spec_sliding_window,
+            }
+            if self.full_event_tokens:
+                d["token_ids"] = list(ev.token_ids)
+            else:
+                d["token_ids_digest"] = token_digest(list(ev.token_ids))
+            return d
+        if isinstance(ev, BlockRemoved):
+            return {"type": "BlockRemoved", "block_hashes": [hex16(h) for h in ev.block_hashes],
+                    "group_idx": ev.group_idx, "medium": ev.medium}
+        if isinstance(ev, AllBlocksCleared):
+            return {"type": "AllBlocksCleared"}
+        return {"type": type(ev).__name__}
+
+    # ------------------------------------------------------------------ ops
+    def op_add_request(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        rid = op["id"]
+        if rid in self.tokens:
+            raise TraceError(f"request id {rid!r} reused")
+        prompt = self._expand(op["prompt"])
+        if not prompt:
+            raise TraceError("empty prompt")
+        req = Request(rid, prompt, block_hasher=self.hasher, lora_request=self._lora(op),
+                      cache_salt=op.get("cache_salt"),
+                      skip_reading_prefix_cache=bool(op.get("skip_reading_prefix_cache")))
+        self.requests[rid] = req
+        self.tokens[rid] = req.all_token_ids
+        if not record:
+            return None
+        res: dict[str, Any] = {"num_tokens": req.num_tokens}
+        res.update(self._hashes(req, 0))
+        return res
+
+    def op_get_computed_blocks(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        blocks, n, boundary = self.manager.get_computed_blocks(req, op.get("max_cache_hit_length"))
+        if op.get("set_shared_prefix_boundary", True):
+            req.shared_prefix_boundary = boundary
+        self.lookups[req.request_id] = (blocks, n)
+        if not record:
+            return None
+        return {"num_computed_tokens": n, "block_ids": _list_ids(blocks),
+                "shared_prefix_boundary": boundary}
+
+    def op_allocate_slots(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        rid = req.request_id
+        hits = None
+        if op.get("use_lookup", False):
+            if rid not in self.lookups:
+                raise TraceError("use_lookup without a preceding get_computed_blocks")
+            hits = self.lookups[rid][0]
+        self.lookups.pop(rid, None)
+        blocks = self.manager.allocate_slots(
+            req, int(op["num_new_tokens"]),
+            num_new_computed_tokens=int(op.get("num_new_computed_tokens", 0)),
+            new_computed_blocks=hits,
+            num_lookahead_tokens=int(op.get("num_lookahead_tokens", 0)),
+            delay_cache_blocks=bool(op.get("delay_cache_blocks", False)),
+            full_sequence_must_fit=bool(op.get("full_sequence_must_fit", False)),
+            reserved_blocks=int(op.get("reserved_blocks", 0)),
+            has_scheduled_reqs=bool(op.get("has_scheduled_reqs", True)))
+        if not record:
+            return None
+        res: dict[str, Any] = {"ok": blocks is not None,
+                               "new_block_ids": None if blocks is None else _list_ids(blocks),
+                               "num_free_blocks": self._free()}
+        if self.record_tables:
+            res["block_ids"] = [list(g) for g in self.manager.get_block_ids(rid)]
+        return res
+
+    def op_update_request(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        if "num_computed_tokens" in op:
+            req.num_computed_tokens = int(op["num_computed_tokens"])
+        if "status" in op:
+            req.status = RequestStatus[op["status"]]
+        if "num_preemptions" in op:
+            req.num_preemptions = int(op["num_preemptions"])
+        if "shared_prefix_boundary" in op:
+            req.shared_prefix_boundary = int(op["shared_prefix_boundary"])
+        if "num_in_flight_tokens" in op:
+            req.num_in_flight_tokens = int(op["num_in_flight_tokens"])
+        return {} if record else None
+
+    def op_append_output_tokens(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        if "num_computed_tokens" in op:
+            req.num_computed_tokens = int(op["num_computed_tokens"])
+        tokens = self._expand(op.get("tokens", []))
+        before = len(req.block_hashes)
+        if tokens:
+            req.append_output_token_ids(tokens)
+        if not record:
+            return None
+        res: dict[str, Any] = {"num_tokens": req.num_tokens}
+        res.update(self._hashes(req, before))
+        return res
+
+    def op_record_prefix_cache_stats(self, op: dict[str, Any],
+                                     record: bool) -> dict[str, Any] | None:
+        self.manager.record_prefix_cache_stats(self._req(op), int(op["num_hits"]))
+        return {} if record else None
+
+    def op_free(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        self.manager.free(req)
+        self.lookups.pop(req.request_id, None)
+        return {"num_free_blocks": self._free()} if record else None
+
+    def op_preempt(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        self.manager.free(req)
+        self.lookups.pop(req.request_id, None)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_in_flight_tokens = 0
+        req.num_preemptions += 1
+        return {"num_free_blocks": self._free()} if record else None
+
+    def op_finish(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        req.status = RequestStatus[op.get("status", "FINISHED_STOPPED")]
+        self.manager.free(req)
+        self.lookups.pop(req.request_id, None)
+        if op.get("forget", True):
+            del self.requests[req.request_id]
+        return {"num_free_blocks": self._free()} if record else None
+
+    def op_new_step(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        self.manager.new_step_starts()
+        return {} if record else None
+
+    def op_cache_blocks(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        self.manager.cache_blocks(self._req(op), int(op["num_computed_tokens"]))
+        return {} if record else None
+
+    def op_reset_prefix_cache(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        ok = self.manager.reset_prefix_cache()
+        return {"ok": ok, "num_free_blocks": self._free()} if record else None
+
+    def op_usage(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        usage = self.manager.usage
+        return {"usage": round(usage, 12), "num_free_blocks": self._free()} if record else None
+
+    def op_get_num_common_prefix_blocks(self, op: dict[str, Any],
+                                        record: bool) -> dict[str, Any] | None:
+        r = self.manager.get_num_common_prefix_blocks(op["id"])
+        return {"num_common_prefix_blocks": list(r)} if record else None
+
+    def op_get_block_ids(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        ids = self.manager.get_block_ids(op["id"])
+        return {"block_ids": [list(g) for g in ids]} if record else None
+
+    def op_take_events(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        events = self.manager.take_events()
+        return {"events": [self._event(e) for e in events]} if record else None
+
+    def op_make_prefix_cache_stats(self, op: dict[str, Any],
+                                   record: bool) -> dict[str, Any] | None:
+        s = self.manager.make_prefix_cache_stats()
+        if not record:
+            return None
+        if s is None:
+            return {"stats": None}
+        return {"stats": {"reset": s.reset, "requests": s.requests, "queries": s.queries,
+                          "hits": s.hits, "preempted_requests": s.preempted_requests,
+                          "preempted_queries": s.preempted_queries,
+                          "preempted_hits": s.preempted_hits}}
+
+    def op_take_kv_cache_block_copies(self, op: dict[str, Any],
+                                      record: bool) -> dict[str, Any] | None:
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if op.get("free_retained", True) and retained:
+            self.manager.block_pool.free_blocks(retained)
+        if not record:
+            return None
+        return {"copies": [[c.src_block_id, c.dst_block_id] for c in copies],
+                "num_free_blocks": self._free()}
+
+    def op_free_queue(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        q = self.manager.block_pool.free_block_queue.get_all_free_blocks()
+        return {"free_block_ids": [b.block_id for b in q]} if record else None
+
+    def apply(self, op: dict[str, Any], record: bool = True) -> dict[str, Any] | None:
+        handler = self.handlers.get(op.get("op"))  # type: ignore[arg-type]
+        if handler is None:
+            raise TraceError(f"unknown op {op.get('op')!r}")
+        return handler(op, record)
+
+
+# ----------------------------------------------------------------------------- drivers
+
+
+def load_trace(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        trace: dict[str, Any] = json.load(f)
+    if trace.get("format") != FORMAT_TRACE:
+        raise TraceError(f"{path}: expected format {FORMAT_TRACE!r}")
+    return trace
+
+
+def run_trace(trace: dict[str, Any], stop_on_error: bool = False) -> dict[str, Any]:
+    """Replay every op; a manager exception becomes an ``error`` result, a trace error stops."""
+    rep = Replayer(trace.get("config", {}))
+    results: list[dict[str, Any]] = []
+    errors = 0
+    counts: dict[str, int] = {}
+    for i, op in enumerate(trace["ops"]):
+        name = op.get("op")
+        counts[name] = counts.get(name, 0) + 1
+        entry: dict[str, Any] = {"i": i, "op": name}
+        if "id" in op:
+            entry["id"] = op["id"]
+        try:
+            entry.update(rep.apply(op) or {})
+        except Exception as e:
+            errors += 1
+            entry["error"] = f"{type(e).__name__}: {e}"
+            results.append(entry)
+            if stop_on_error or isinstance(e, TraceError):
+                break
+            continue
+        results.append(entry)
+    summary = {
+        "num_ops": len(trace["ops"]),
+        "num_results": len(results),
+        "num_errors": errors,
+        "op_counts": counts,
+        "final_num_free_blocks": rep.manager.block_pool.get_num_free_blocks(),
+        "final_num_live_requests": sum(1 for r in rep.requests.values() if not r.is_finished()),
+        "allocate_slots_failed": sum(1 for r in results
+                                     if r["op"] == "allocate_slots" and r.get("ok") is False),
+    }
+    return {"format": FORMAT_RESULT, "vllm_version": VLLM_VERSION,
+            "trace_meta": trace.get("meta", {}), "resolved": rep.initial, "summary": summary,
+            "results": results}
+
+
+def dump_result(result: dict[str, Any], fp: TextIO) -> None:
+    """JSON with one op result per line, so a plain ``diff`` lines ops up."""
+    head = json.dumps({k: v for k, v in result.items() if k != "results"}, sort_keys=True)
+    fp.write(head[:-1] + ', "results": [\n')
+    rows = result["results"]
+    for k, r in enumerate(rows):
+        fp.write(json.dumps(r, separators=(",", ":")))
+        fp.write(",\n" if k + 1 < len(rows) else "\n")
+    fp.write("]}\n")
+
+
+def bench(trace: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Replay ``repeats`` times on fresh managers, timing only the replay loop."""
+    ops = trace["ops"]
+    per_run: list[float] = []
+    for _ in range(repeats):
+        rep = Replayer(trace.get("config", {}))
+        apply = rep.apply
+        t0 = time.perf_counter()
+        for op in ops:
+            apply(op, False)
+        per_run.append(time.perf_counter() - t0)
+    total = sum(per_run)
+    return {
+        "num_ops": len(ops),
+        "repeats": repeats,
+        "seconds_per_run": [round(t, 4) for t in per_run],
+        "ops_per_sec": round(len(ops) * repeats / total, 1),
+        "best_ops_per_sec": round(len(ops) / min(per_run), 1),
+    }
