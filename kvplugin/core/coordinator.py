@@ -117,6 +117,11 @@ class KVCacheCoordinator:
                 if isinstance(m.kv_cache_spec, MambaSpec):
                     m.drop_eagle_checkpoint_block = True  # type: ignore[attr-defined]
         self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
+        # Precomputed fan-out lists: the per-step paths below run for every request.
+        self._indexed = tuple(enumerate(self.single_type_managers))
+        self._has_cross = any(isinstance(m, CrossAttentionManager)
+                              for m in self.single_type_managers)
+        self._caching_managers = tuple((gid, m) for gid, m in self._indexed if m.enable_caching)
         self.retention_interval = kv_cache_config.prefix_cache_retention_interval
         _validate_retention(self.retention_interval, scheduler_block_size, kv_cache_config)
 
@@ -129,8 +134,8 @@ class KVCacheCoordinator:
         if self.retention_interval != 0:
             prefill_end = 0  # only sparse retention restricts Mamba checkpoints
         total = 0
-        for i, m in enumerate(self.single_type_managers):
-            if isinstance(m, CrossAttentionManager):
+        for i, m in self._indexed:
+            if self._has_cross and isinstance(m, CrossAttentionManager):
                 total += m.get_num_blocks_to_allocate(
                     request_id, num_encoder_tokens, [], 0, 0, num_encoder_tokens,
                     apply_admission_cap=apply_admission_cap)
@@ -166,12 +171,15 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                             num_encoder_tokens: int = 0) -> Hits:
-        return tuple(
+        if not self._has_cross:
+            return tuple([m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+                          for m in self.single_type_managers])
+        return tuple([
             m.allocate_new_blocks(
                 request_id,
                 num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
                 num_tokens_main_model)
-            for m in self.single_type_managers)
+            for m in self.single_type_managers])
 
     # ------------------------------------------------------------------ caching
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
@@ -180,10 +188,9 @@ class KVCacheCoordinator:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        bool(self.drop_eagle_group_ids))
-        for gid, m in enumerate(self.single_type_managers):
-            if m.enable_caching:
-                m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, gid),
-                               self.retention_interval, replay_boundaries=boundaries)
+        for gid, m in self._caching_managers:
+            m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, gid),
+                           self.retention_interval, replay_boundaries=boundaries)
 
     def emit_cached_block_events(self, request: Request, computed_blocks: Hits) -> None:
         for gid, blocks in enumerate(computed_blocks):

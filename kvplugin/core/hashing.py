@@ -198,7 +198,11 @@ class BlockHasher:
     drafters read them), so it exists only once those tokens do.
     """
 
-    __slots__ = ("_ctx", "_fast", "block_size", "lookahead")
+    __slots__ = ("_ctx", "_fast", "_memo", "block_size", "lookahead")
+
+    # Bound of the (parent, tokens) -> hash memo: shared system prompts and multi-turn
+    # resends re-hash the same blocks again and again.
+    MEMO_ENTRIES = 1 << 16
 
     def __init__(self, ctx: HashContext, block_size: int, lookahead: int = 0) -> None:
         if block_size <= 0:
@@ -208,7 +212,8 @@ class BlockHasher:
         self._ctx = ctx
         self.block_size = block_size
         self.lookahead = lookahead
-        self._fast = ctx.hash_fn is sha256_cbor
+        self._fast = ctx.hash_fn is sha256_cbor and lookahead == 0
+        self._memo: dict[tuple[bytes, tuple[int, ...]], BlockHash] = {}
 
     def __call__(self, request: Request) -> list[BlockHash]:
         bs = self.block_size
@@ -216,11 +221,33 @@ class BlockHasher:
         limit = request.num_tokens - self.lookahead
         if start + bs > limit:
             return []
-        tokens = request.all_token_ids
         parent = request.block_hashes[-1] if request.block_hashes else self._ctx.none_hash
-        if self._fast and self.lookahead == 0 and request.has_no_extra_keys:
-            return _sha256_cbor_chain(parent, tokens, start, limit, bs)
-        return self._hash_general(request, start, limit, parent)
+        if not (self._fast and request.plain_after_first_block):
+            return self._hash_general(request, start, limit, parent)
+        out: list[BlockHash] = []
+        if start == 0 and not request.has_no_extra_keys:
+            out = self._hash_general(request, 0, bs, parent)  # block 0 carries the salt
+            parent, start = out[0], bs
+        return out + self._hash_plain(request.all_token_ids, start, limit, parent)
+
+    def _hash_plain(self, tokens: Sequence[int], start: int, limit: int,
+                    parent: BlockHash) -> list[BlockHash]:
+        """Blocks without extra keys: memoised fast canonical-CBOR path."""
+        bs = self.block_size
+        memo = self._memo
+        if len(memo) >= self.MEMO_ENTRIES:
+            memo.clear()
+        out: list[BlockHash] = []
+        while start + bs <= limit:
+            key = (parent, tuple(tokens[start:start + bs]))
+            h = memo.get(key)
+            if h is None:
+                h = _sha256_cbor_block(parent, key[1], bs)
+                memo[key] = h
+            out.append(h)
+            parent = h
+            start += bs
+        return out
 
     def _hash_general(
         self, request: Request, start: int, limit: int, parent: BlockHash
@@ -283,16 +310,24 @@ def _encode_tokens(tokens: Sequence[int]) -> bytes:
         return b"".join([enc.get(t) or _encode_token(t) for t in tokens])
 
 
+_ARRAY_HEADS: dict[int, bytes] = {}
+
+
+def _sha256_cbor_block(parent: bytes, tokens: Sequence[int], bs: int) -> BlockHash:
+    """sha256(cbor2.dumps((parent, tuple(tokens), None), canonical=True)) for bs tokens."""
+    head = _ARRAY_HEADS.get(bs)
+    if head is None:
+        head = _ARRAY_HEADS[bs] = _cbor_uint_head(4, bs)
+    return hashlib.sha256(b"".join((b"\x83", _cbor_uint_head(2, len(parent)), parent, head,
+                                    _encode_tokens(tokens), b"\xf6"))).digest()
+
+
 def _sha256_cbor_chain(
     parent: bytes, tokens: Sequence[int], start: int, limit: int, bs: int
 ) -> list[BlockHash]:
-    arr_head = _cbor_uint_head(4, bs)
-    sha = hashlib.sha256
     out: list[BlockHash] = []
     while start + bs <= limit:
-        body = _encode_tokens(tokens[start : start + bs])
-        parent = sha(b"\x83" + _cbor_uint_head(2, len(parent)) + parent + arr_head + body
-                     + b"\xf6").digest()
+        parent = _sha256_cbor_block(parent, tokens[start:start + bs], bs)
         out.append(parent)
         start += bs
     return out

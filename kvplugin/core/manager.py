@@ -242,27 +242,35 @@ class KVCacheManager:
         adopted hits are not.  On None nothing was adopted or allocated (window removal
         and Mamba checkpoint bookkeeping aside).
         """
-        _check_counts(num_new_tokens=num_new_tokens,
-                      num_new_computed_tokens=num_new_computed_tokens,
-                      num_lookahead_tokens=num_lookahead_tokens,
-                      num_external_computed_tokens=num_external_computed_tokens,
-                      num_encoder_tokens=num_encoder_tokens, reserved_blocks=reserved_blocks)
+        if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
+                | num_external_computed_tokens | num_encoder_tokens | reserved_blocks) < 0:
+            _raise_negative(num_new_tokens=num_new_tokens,
+                            num_new_computed_tokens=num_new_computed_tokens,
+                            num_lookahead_tokens=num_lookahead_tokens,
+                            num_external_computed_tokens=num_external_computed_tokens,
+                            num_encoder_tokens=num_encoder_tokens,
+                            reserved_blocks=reserved_blocks)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 \
                 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
         empty = self.empty_kv_cache_blocks.blocks
-        hits = empty if new_computed_blocks is None else new_computed_blocks.blocks
-        if len(hits) != self.num_kv_cache_groups:
-            raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager "
-                             f"{self.num_kv_cache_groups}")
+        if new_computed_blocks is None:
+            hits = empty
+        else:
+            hits = new_computed_blocks.blocks
+            if len(hits) != self.num_kv_cache_groups:
+                raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager "
+                                 f"{self.num_kv_cache_groups}")
         coord = self.coordinator
         rid = request.request_id
         local = request.num_computed_tokens + num_new_computed_tokens
-        total = min(local + num_external_computed_tokens, self.max_model_len)
+        total = local + num_external_computed_tokens
+        if total > self.max_model_len:
+            total = self.max_model_len
         wm = 0
-        if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
-                                                     RequestStatus.PREEMPTED):
+        # Watermark: only waiting/preempted requests pay it, and only into a busy engine.
+        if has_scheduled_reqs and (request.status is _WAITING or request.status is _PREEMPTED):
             wm = self.watermark_blocks
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         free = self.block_pool.free_block_queue
@@ -439,7 +447,11 @@ class KVCacheManager:
         self.coordinator.new_step_starts()
 
 
-def _check_counts(**counts: int) -> None:
+_WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+def _raise_negative(**counts: int) -> None:
     for name, value in counts.items():
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")

@@ -93,6 +93,8 @@ class Request:
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
     prompt_embeds_hashes: dict[tuple[int, int], bytes] = field(init=False, default_factory=dict)
     has_no_extra_keys: bool = field(init=False)
+    # Extra keys can only appear on block 0 (a cache salt and nothing else).
+    plain_after_first_block: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -100,10 +102,9 @@ class Request:
         if any(f.offset < 0 or f.length <= 0 for f in self.mm_features):
             raise ValueError("multimodal features need offset >= 0 and length > 0")
         self.mm_features = sorted(self.mm_features, key=lambda f: f.offset)
-        self.has_no_extra_keys = not (
-            self.lora_request or self.cache_salt or self.mm_features
-            or self.prompt_embeds is not None
-        )
+        per_block = bool(self.lora_request or self.mm_features or self.prompt_embeds is not None)
+        self.has_no_extra_keys = not (per_block or self.cache_salt)
+        self.plain_after_first_block = not per_block
         self.update_block_hashes()
 
     @property

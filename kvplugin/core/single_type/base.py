@@ -61,6 +61,9 @@ class SingleTypeKVCacheManager:
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        # Families that do not override ``block_mask`` register every full block; skip the
+        # call on the hot path.
+        self._dense_caching = type(self).block_mask is SingleTypeKVCacheManager.block_mask
 
     @property
     def has_positionally_stable_blocks(self) -> bool:
@@ -228,8 +231,8 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, hashed_tokens) // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.block_mask(request, num_cached, num_full, retention_interval,
-                               replay_boundaries)
+        mask = None if self._dense_caching else self.block_mask(
+            request, num_cached, num_full, retention_interval, replay_boundaries)
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], num_cached, num_full,
                                           self.block_size, self.kv_cache_group_id, mask)
         self.num_cached_block[rid] = num_full

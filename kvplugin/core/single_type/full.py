@@ -76,6 +76,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             del lst[keep:]
         return computed, hit
 
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        return None  # nothing ever leaves a full-attention window
+
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None, *,
                      replay_boundaries: Sequence[int]) -> None:
