@@ -107,32 +107,27 @@ class MambaManager(SingleTypeKVCacheManager):
             supports_fine_grained_hash_lookup=True, alignment_tokens=alignment_tokens)
         if alignment_tokens < bs and bs % alignment_tokens == 0:
             # Fine-grained: any hash boundary may carry a partial-state entry.
-            unit = alignment_tokens
-            per_block = bs // unit
-            last = min(max_length // unit, len(hashes))
-            return cls._scan(hashes, last, 1, kv_cache_group_ids, block_pool,
-                             lambda i: i // per_block, unit)
-        # A hit must end on an alignment boundary (shared with the attention groups).
-        step = 1 if bs == alignment_tokens else None
-        return cls._scan(hashes, max_length // bs, step, kv_cache_group_ids, block_pool,
-                         None, bs, alignment_tokens)
+            n = min(max_length // alignment_tokens, len(hashes))
+            return cls._scan(hashes, n, alignment_tokens, bs // alignment_tokens,
+                             alignment_tokens, kv_cache_group_ids, block_pool)
+        # A slot hit must still end on an alignment boundary shared with the other groups.
+        return cls._scan(hashes, max_length // bs, bs, 1, alignment_tokens,
+                         kv_cache_group_ids, block_pool)
 
     @staticmethod
-    def _scan(hashes: Sequence[BlockHash], n: int, step: int | None,
-              group_ids: Sequence[int], pool: BlockPool, slot_of: object, unit: int,
-              alignment: int = 0) -> HitResult:
-        """Scan entries ``n-1 .. 0``; entry ``i`` covers ``(i+1)*unit`` tokens.
-
-        ``slot_of`` maps a fine entry to its table slot (None: entry == slot).  With
-        ``step`` None, entries whose right edge misses ``alignment`` are skipped.
+    def _scan(hashes: Sequence[BlockHash], n: int, unit: int, per_slot: int, alignment: int,
+              group_ids: Sequence[int], pool: BlockPool) -> HitResult:
+        """Scan entries ``n-1 .. 0``: entry ``i`` covers ``(i+1)*unit`` tokens and lives in
+        slot ``i // per_slot``; entries whose right edge misses ``alignment`` are skipped.
         """
         null = pool.null_block
         out: tuple[list[KVCacheBlock], ...] = tuple([] for _ in group_ids)
+        aligned = unit == alignment
         single = len(group_ids) == 1
         get_one = pool.cached_block_hash_to_block.get_one_block
-        suffix = group_ids[0].to_bytes(4, "big") if single else b""
+        suffix = group_ids[0].to_bytes(4, "big")
         for i in range(n - 1, -1, -1):
-            if step is None and (i + 1) * unit % alignment:
+            if not aligned and (i + 1) * unit % alignment:
                 continue
             if single:
                 block = get_one(hashes[i] + suffix)
@@ -144,10 +139,374 @@ class MambaManager(SingleTypeKVCacheManager):
                 if not found:
                     continue
                 cached = found
-            slot = i if slot_of is None else slot_of(i)  # type: ignore[operator]
+            pad = [null] * (i // per_slot)
             for lst, blk in zip(out, cached, strict=True):
-                if slot:
-                    lst.extend([null] * slot)
+                lst.extend(pad)
                 lst.append(blk)
             return out, (i + 1) * unit
         return out, 0
+
+    # ------------------------------------------------------------------ prediction
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """Blocks the coming allocation takes.  Under "align" this may be negative (a table
+        over-allocated for rejected drafts), which lowers the total over all groups.
+
+        Side effect (not as the admission gate): plans this step's prefill checkpoint, so it
+        must run before :meth:`allocate_new_blocks`, as ``allocate_slots`` does.
+        """
+        if (new_computed_blocks and self.cached_blocks_this_step
+                and new_computed_blocks[-1].block_hash in self.cached_blocks_this_step):
+            # The hit state is written by this pass's forward: ask for more than the pool
+            # holds so the request is retried next pass.
+            return self.block_pool.num_gpu_blocks + 1
+        if not self._align:
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
+                new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
+                num_tokens_main_model, apply_admission_cap, prefill_end)
+        # Draft tokens get no slot: draft models have no Mamba layers, and counting them
+        # would shift the state slots off the chunk boundaries.
+        num_tokens = num_tokens_main_model
+        table = self.req_to_blocks.get(request_id)
+        num_new = (cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
+                   - len(new_computed_blocks) - (len(table) if table else 0))
+        partial = ((len(new_computed_blocks) > 0
+                    and num_local_computed_tokens % self.block_size != 0)
+                   or request_id in self._partial_hit_reqs)
+        if partial:
+            num_new = max(num_new, 0) + 1  # the private copy of the shared tail
+        checkpoint = 0
+        if self.has_prefill_checkpoint_blocks:
+            checkpoint = self._plan_checkpoint(request_id, total_computed_tokens, num_tokens,
+                                               prefill_end, record=not apply_admission_cap)
+        if num_new > 0:
+            # At most one new state slot per step, plus the copy, the checkpoint slot and,
+            # on the first allocation, the speculative slots.
+            cap = 1 + int(partial) + checkpoint
+            if request_id not in self._allocated_block_reqs:
+                cap += self.num_speculative_blocks
+            num_new = min(num_new, cap)
+        evictable = 0
+        for blk in new_computed_blocks:
+            if blk.ref_cnt == 0 and not blk.is_null:
+                evictable += 1
+        return num_new + evictable
+
+    def _plan_checkpoint(self, request_id: str, query_start: int, query_end: int,
+                         prefill_end: int, record: bool) -> int:
+        """1 if this chunk reserves a slot for a mid-chunk checkpoint, else 0.
+
+        Keyed on the chunk end, like the worker that writes the state there.  With
+        ``record`` the plan (position, slot) is remembered for allocation and caching.
+        """
+        position = prefill_checkpoint_position(
+            query_end, self.cache_hit_alignment_tokens, self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens)
+        slot = cdiv(query_end, self.block_size) - 2
+        if not (query_end >= prefill_end and slot >= 0 and checkpoint_exportable(
+                query_start, query_end, position, self.block_pool.hash_block_size,
+                self.block_size, self.prefill_checkpoint_alignment)
+                and self._checkpoint_slot_free(request_id, slot)):
+            position = 0
+        if record:
+            if position > 0:
+                self._checkpoints[request_id] = (position, slot)
+            else:
+                self._checkpoints.pop(request_id, None)
+        return int(position > 0)
+
+    def _checkpoint_slot_free(self, request_id: str, slot: int) -> bool:
+        # Past the table, a null gap, or one of a running request's speculative slots.
+        table = self.req_to_blocks.get(request_id) or []
+        return (slot >= len(table) or table[slot].is_null
+                or (request_id in self._allocated_block_reqs
+                    and slot >= len(table) - self.num_speculative_blocks))
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        """Returns the table suffix this call added (nulls, relocated and new blocks); a
+        new request's copy-on-write block comes first."""
+        if not self._align:
+            return super().allocate_new_blocks(
+                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
+                num_tokens_main_model)
+        table = self.req_to_blocks[request_id]
+        num_spec = self.num_speculative_blocks
+        required = cdiv(num_tokens_main_model, self.block_size) + num_spec
+        checkpoint = int(request_id in self._checkpoints)
+        partial = self._partial_hit_reqs.get(request_id)
+        prev_len = len(table)
+        if required <= prev_len and partial is None and not checkpoint:
+            # Over-allocated earlier (rejected drafts): the current slots still fit.
+            self._allocated_block_reqs.add(request_id)
+            return []
+        running = request_id in self._allocated_block_reqs
+        # The state this step resumes from: the running slot (just before the speculative
+        # ones), or for a new request the hit state at the table's end.
+        if running:
+            self.last_state_block_idx[request_id] = prev_len - 1 - num_spec
+        elif prev_len > 0:
+            self.last_state_block_idx[request_id] = prev_len - 1
+        state_slot = required - num_spec - 1
+        # Null gaps up to the new state slot; a reserved checkpoint slot stays open.
+        if prev_len < state_slot - checkpoint:
+            table.extend([self._null_block] * (state_slot - checkpoint - prev_len))
+        if running:
+            self._relocate_passed_speculative_blocks(table, prev_len, state_slot - checkpoint)
+        num_new = max(required - len(table), 0)
+        cap = 1 + checkpoint + (0 if running else num_spec)
+        if partial is not None:
+            num_new += 1
+            cap += 1
+        if num_new > cap:
+            raise AssertionError(f"Mamba allocation of {request_id} wants {num_new} blocks, "
+                                 f"more than the {cap} planned")
+        new = self.block_pool.get_new_blocks(num_new)
+        added = table[prev_len:]
+        if partial is not None:
+            idx, source = partial
+            cow = new.pop(0)
+            if running:
+                self._move_own_partial_tail(request_id, idx, source, cow)
+            else:
+                self._apply_cow(request_id, idx, source, cow)
+                added.insert(0, cow)
+            del self._partial_hit_reqs[request_id]
+        table.extend(new)
+        self._allocated_block_reqs.add(request_id)
+        added.extend(new)
+        return added
+
+    def _relocate_passed_speculative_blocks(self, table: list[KVCacheBlock], prev_len: int,
+                                            end: int) -> None:
+        """Move speculative scratch slots the new state slot leaves behind to the table's
+        end: the worker's table is append-only, so their old positions become null."""
+        for idx in range(prev_len - self.num_speculative_blocks, min(prev_len, end)):
+            block = table[idx]
+            if not self.block_pool.is_block_writable(block):
+                raise AssertionError("speculative Mamba blocks must be exclusively owned and "
+                                     f"unhashed to relocate (block {block.block_id})")
+            table.append(block)
+            table[idx] = self._null_block
+
+    def _move_own_partial_tail(self, request_id: str, idx: int, source: KVCacheBlock,
+                               cow: KVCacheBlock) -> None:
+        """A running request is about to overwrite the partial state it registered itself.
+
+        Its table stays on ``source`` (append-only for the worker); the cache entry moves
+        to ``cow``, which this step's queued copy fills before the forward overwrites
+        ``source``.  ``source`` keeps a retention ref until the copy ran.
+        """
+        if self.req_to_blocks[request_id][idx] is not source:
+            raise AssertionError(f"partial tail bookkeeping of {request_id} is inconsistent")
+        self.block_pool.move_block_hashes(source, cow)
+        self._pending_cow_copies.append((source, cow))
+        source.ref_cnt += 1
+        producer = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer is not None:
+            marker, boundary = producer
+            if marker is not source:
+                raise AssertionError(f"producer tail of {request_id} is not its CoW source")
+            # The copy now preserves the producer's own boundary state: offer it.
+            self._pending_boundary_state_offloads.append(
+                (request_id, self.kv_cache_group_id, cow, boundary))
+        if cow.block_hash is not None:
+            # Only this step's copy fills the moved entry.
+            self.cached_blocks_this_step.add(cow.block_hash)
+
+    # ------------------------------------------------------------------ freeing
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # Only the state after the last computed token is needed.
+        return num_computed_tokens - 1
+
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        if not self._align:
+            super()._remove_blocks_in_range(request_id, first, last)
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        # Prefill leaves null gaps between states, so walk over them (no early stop) but
+        # never rescan below the retirement watermark.
+        first = max(first, self._num_retired_blocks.get(request_id, 0))
+        last = min(last, len(blocks))
+        if first >= last:
+            return
+        null = self._null_block
+        freed: list[KVCacheBlock] = []
+        for i in range(last - 1, first - 1, -1):
+            blk = blocks[i]
+            if not blk.is_null:
+                freed.append(blk)
+                blocks[i] = null
+        if freed:
+            self.block_pool.free_blocks(freed)
+        self._num_retired_blocks[request_id] = last
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        if not self._align:
+            return
+        # The previous step's source state may sit above the watermark (prefill tables
+        # are not contiguous); release it once a newer state is committed.
+        last_state = self.last_state_block_idx.get(request_id)
+        if last_state is not None and last_state < cdiv(processed_computed_tokens,
+                                                         self.block_size) - 1:
+            blocks = self.req_to_blocks[request_id]
+            blk = blocks[last_state]
+            if not blk.is_null:
+                self.block_pool.free_blocks((blk,))
+                blocks[last_state] = self._null_block
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        if self._align:
+            self._allocated_block_reqs.discard(request_id)
+            self.last_state_block_idx.pop(request_id, None)
+            self._num_retired_blocks.pop(request_id, None)
+            self._checkpoints.pop(request_id, None)
+            self._producer_partial_tail_reqs.pop(request_id, None)
+            if self._pending_boundary_state_offloads:
+                # An undrained offer is only valid while the request holds its blocks.
+                self._pending_boundary_state_offloads = [
+                    e for e in self._pending_boundary_state_offloads if e[0] != request_id]
+        return super().pop_blocks_for_free(request_id)
+
+    def finalize_partial_tail_offload(self, request_id: str, num_computed_tokens: int,
+                                      num_in_flight_tokens: int
+                                      ) -> tuple[int, KVCacheBlock, int] | None:
+        """A producer finishing exactly at its partial boundary, with nothing in flight,
+        still holds the boundary state in its table block: hand that block over."""
+        if not self._align:
+            return None
+        producer = self._producer_partial_tail_reqs.pop(request_id, None)
+        if producer is None:
+            return None
+        source, boundary = producer
+        if num_in_flight_tokens != 0 or num_computed_tokens != boundary:
+            return None
+        return self.kv_cache_group_id, source, boundary
+
+    def new_step_starts(self) -> None:
+        if self.cached_blocks_this_step:
+            self.cached_blocks_this_step.clear()
+
+    # ------------------------------------------------------------------ caching
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None, *,
+                     replay_boundaries: Sequence[int]) -> None:
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        super().cache_blocks(request, num_tokens, retention_interval,
+                             replay_boundaries=replay_boundaries)
+        after = self.num_cached_block.get(rid, 0)
+        if self._align:
+            key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
+            if key is not None:
+                self.cached_blocks_this_step.add(key)
+        if after <= before:
+            return
+        blocks = self.req_to_blocks[rid]
+        for idx in range(before, after):
+            blk = blocks[idx]
+            # Null gaps and sparse-retention skips carry no hash.
+            if blk.block_hash is None or blk.is_null:
+                continue
+            self.cached_blocks_this_step.add(blk.block_hash)
+            if self._align:
+                # Offer every committed boundary with its exact block: the table is not
+                # positionally stable, so a connector cannot find it by index.
+                self._pending_boundary_state_offloads.append(
+                    (rid, self.kv_cache_group_id, blk,
+                     blk.block_hash_num_tokens))  # type: ignore[arg-type]
+
+    def block_mask(self, request: Request, start_block: int, end_block: int,
+                   retention_interval: int | None,
+                   replay_boundaries: Sequence[int]) -> list[bool] | None:
+        if retention_interval is None:
+            return None
+        return retention_mask(start_block, end_block, self.block_size,
+                              self.cache_hit_alignment_tokens, retention_interval,
+                              self.reachable_boundaries(request, replay_boundaries))
+
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int,
+                                  retention_interval: int | None
+                                  ) -> BlockHashWithGroupId | None:
+        """Register a state at a boundary inside its slot; returns the new key, if any."""
+        if self._checkpoints:
+            checkpoint = self._checkpoints.get(request.request_id)
+            if checkpoint is not None:
+                return self._cache_checkpoint(request, checkpoint, retention_interval)
+        hbs = self.block_pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hbs:
+            return None
+        prompt_boundary = prefill_checkpoint_position(
+            request.num_prompt_tokens, hbs, self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens)
+        # Besides the prompt's last boundary, a sibling resumes at the shared-prefix
+        # junction; only inside the prompt chunk being computed (a decode state block is
+        # mutated in place and matches its key only after the step's forward).
+        if num_tokens != prompt_boundary and not (
+                self.shared_prefix_checkpoint
+                and num_tokens == request.shared_prefix_boundary
+                and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens):
+            return None
+        idx = cdiv(num_tokens, self.block_size) - 1
+        blocks = self.req_to_blocks[request.request_id]
+        if idx >= len(blocks):
+            return None
+        source = blocks[idx]
+        # Re-keying a block already keyed here would defer every sibling hitting it.
+        if source.is_null or source.block_hash_num_tokens == num_tokens:
+            return None
+        key = self.block_pool.cache_partial_block(request, source, num_tokens,
+                                                  self.kv_cache_group_id, self.block_size)
+        if key is not None and num_tokens % self.block_size:
+            # This request produced a partial tail its next forward overwrites: its next
+            # allocation copies the state out (and offers the copy to a connector).
+            rid = request.request_id
+            self._partial_hit_reqs[rid] = (idx, source)
+            self.num_cached_block[rid] = idx
+            self._producer_partial_tail_reqs[rid] = (source, num_tokens)
+        return key
+
+    def _cache_checkpoint(self, request: Request, checkpoint: tuple[int, int],
+                          retention_interval: int | None) -> BlockHashWithGroupId | None:
+        """Re-key the reserved checkpoint slot at the exported boundary, or drop its
+        identity when that boundary is transient (nobody can resume there)."""
+        position, idx = checkpoint
+        blocks = self.req_to_blocks[request.request_id]
+        if not 0 <= idx < len(blocks):
+            raise AssertionError(f"checkpoint slot {idx} of {request.request_id} is missing")
+        block = blocks[idx]
+        # The prompt's final chunk caches only its full blocks, so its checkpoint is the
+        # prompt's reusable boundary even though num_tokens < num_prompt_tokens there.
+        keep = position == prefill_checkpoint_position(
+            request.num_prompt_tokens, self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block, self.block_pool.num_hash_lookahead_tokens)
+        if not keep and position % self.block_size == 0:
+            slot = position // self.block_size - 1
+            mask = retention_mask(slot, slot + 1, self.block_size,
+                                  self.cache_hit_alignment_tokens, retention_interval, ())
+            keep = mask is None or mask[0]
+        if not keep and position != request.shared_prefix_boundary:
+            # The slot's content is overwritten: neither the checkpoint nor a full-block
+            # key registered earlier this step is reusable.
+            self.block_pool.evict_blocks((block.block_id,))
+            return None
+        if block.block_hash_num_tokens == position:
+            return None
+        return self.block_pool.cache_partial_block(
+            request, block, position, self.kv_cache_group_id, self.block_size,
+            replace_existing_hashes=True)
