@@ -356,9 +356,16 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         if not self._align:
+            super().remove_skipped_blocks(request_id, processed_computed_tokens,
+                                          num_prompt_tokens)
             return
+        # Every state slot before the last processed token's is dead.
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is not None and processed_computed_tokens > 1:
+            self._remove_blocks_in_range(
+                request_id, 0, min((processed_computed_tokens - 1) // self.block_size,
+                                   len(blocks)))
         # The previous step's source state may sit above the watermark (prefill tables
         # are not contiguous); release it once a newer state is committed.
         last_state = self.last_state_block_idx.get(request_id)
