@@ -19,7 +19,9 @@ Two checksums cover every byte exactly once, so verification costs one pass over
 
 The frame is verified *before* pyarrow parses anything, so a flipped or truncated object never
 reaches the Arrow reader, and decoding is zero-copy: the returned payload is a view into the
-bytes that were read. Every failure raises a :class:`BlockFormatError` subclass; callers turn
+bytes that were read. Encoding is zero-copy too: :func:`encode` returns the small head and tail
+around a view of the caller's payload, and writers gather them (``writev``, a RESP bulk string
+sent in pieces). Every decode failure raises a :class:`BlockFormatError` subclass; callers turn
 it into a counted miss and delete the object.
 
 This module must stay importable on its own: no asyncio, no ``kvplugin.core``.
@@ -46,6 +48,7 @@ __all__ = [
     "BlockFormatError",
     "BlockMeta",
     "ChecksumMismatch",
+    "EncodedBlock",
     "MetadataMismatch",
     "TruncatedBlock",
     "UnknownFormatVersion",
@@ -59,7 +62,6 @@ _ENVELOPE = struct.Struct("<8sHHIQQQQ16s")
 ENVELOPE_SIZE = _ENVELOPE.size  # 64
 _HASHED_ENVELOPE = ENVELOPE_SIZE - 16  # everything but the frame checksum itself
 _COLUMN = "blocks"
-_EOS_SIZE = 8  # Arrow end-of-stream marker: continuation + zero length
 
 # Element sizes of the dtypes a KV cache uses. Names follow torch/numpy spelling; the bytes
 # are opaque to this module, the dtype only has to make shape * itemsize == payload size.
@@ -139,7 +141,7 @@ class BlockMeta:
         if not (_is_uint(self.token_start) and _is_uint(self.token_end)):
             raise ValueError("token_start and token_end must be non-negative integers")
         if self.token_end < self.token_start:
-            raise ValueError(f"empty-or-negative token range [{self.token_start}, {self.token_end})")
+            raise ValueError(f"token_end < token_start: [{self.token_start}, {self.token_end})")
         if self.boundary is not None and not _is_uint(self.boundary):
             raise ValueError(f"boundary must be None or a non-negative integer: {self.boundary!r}")
         shape = self.shape
@@ -166,7 +168,7 @@ class Block:
 
     meta: BlockMeta
     payload: Buffer
-    encoded: Buffer | None = field(default=None, repr=False, compare=False)
+    encoded: EncodedBlock | None = field(default=None, repr=False, compare=False)
 
     def as_numpy(self) -> np.ndarray[Any, Any]:
         """The payload as a read-only numpy view shaped ``meta.shape`` (no copy).
@@ -181,8 +183,26 @@ class Block:
         return arr
 
 
-def encode(meta: BlockMeta, payload: Buffer) -> memoryview:
-    """Serialize one object. The payload is copied once, straight into the result."""
+@dataclass(frozen=True, slots=True)
+class EncodedBlock:
+    """One encoded object as a few buffers, so writers can gather instead of copying.
+
+    :func:`encode` returns ``(head, payload, tail)`` where ``payload`` is a view of the
+    caller's bytes (not copied) and ``head``/``tail`` are the small envelope and Arrow pieces
+    around it. A decoded object is one contiguous part. The stored object is their
+    concatenation.
+    """
+
+    parts: tuple[Buffer, ...]
+    nbytes: int
+
+    def join(self) -> bytes:
+        """The object as one contiguous buffer (one copy)."""
+        return b"".join(self.parts)
+
+
+def encode(meta: BlockMeta, payload: Buffer) -> EncodedBlock:
+    """Serialize one object without copying the payload (see :class:`EncodedBlock`)."""
     src = _byte_view(payload)
     if src.nbytes != meta.nbytes:
         raise ValueError(
@@ -195,29 +215,70 @@ def encode(meta: BlockMeta, payload: Buffer) -> memoryview:
         [pa.field(_COLUMN, col_type, nullable=False)],
         metadata=_meta_to_arrow(meta, xxhash.xxh3_128_digest(src)),
     )
-    array = pa.Array.from_buffers(col_type, rows, [None, pa.py_buffer(src)])
-    batch = pa.RecordBatch.from_arrays([array], schema=schema)
-
-    schema_size = schema.serialize().size
-    batch_size = pa.ipc.get_record_batch_size(batch)
-    total = ENVELOPE_SIZE + schema_size + batch_size + _EOS_SIZE
-    # The data buffer is the whole record-batch body (no validity bitmap), padded to 8 bytes,
-    # at the end of the batch message. decode() re-checks this against the Arrow reader.
-    payload_off = ENVELOPE_SIZE + schema_size + batch_size - _pad8(src.nbytes)
-
-    out = pa.allocate_buffer(total)
-    sink = pa.FixedSizeBufferWriter(out)
-    sink.write(bytes(ENVELOPE_SIZE))  # placeholder, filled in below
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(batch)
-    if sink.tell() != total:  # pragma: no cover - only if pyarrow changes its framing
-        raise RuntimeError(f"Arrow IPC size {sink.tell()} differs from computed {total}")
-    view = memoryview(out).cast("B")
+    src_buf = pa.py_buffer(src)
+    array = pa.Array.from_buffers(col_type, rows, [None, src_buf])
+    sink = _PartsSink(src_buf.address, src.nbytes)
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays([array], schema=schema))
+    head_ipc, tail = sink.split()
+    total = ENVELOPE_SIZE + len(head_ipc) + src.nbytes + len(tail)
+    envelope = bytearray(ENVELOPE_SIZE)
     _ENVELOPE.pack_into(
-        view, 0, MAGIC, FORMAT_VERSION, 0, 0, total, payload_off, src.nbytes, 0, bytes(16)
+        envelope,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        0,
+        total,
+        ENVELOPE_SIZE + len(head_ipc),
+        src.nbytes,
+        0,
+        bytes(16),
     )
-    view[_HASHED_ENVELOPE:ENVELOPE_SIZE] = _frame_digest(view, payload_off, src.nbytes)
-    return view
+    h = xxhash.xxh3_128(memoryview(envelope)[:_HASHED_ENVELOPE])
+    h.update(head_ipc)
+    h.update(tail)
+    envelope[_HASHED_ENVELOPE:] = h.digest()
+    return EncodedBlock((bytes(envelope) + head_ipc, src, tail), total)
+
+
+class _PartsSink:
+    """A write-only file for pyarrow that keeps the pieces instead of copying them.
+
+    pyarrow hands the record-batch body to ``write`` as a zero-copy ``pa.Buffer`` over the
+    caller's memory; every other piece (messages, padding, end-of-stream) is small bytes.
+    """
+
+    def __init__(self, payload_address: int, payload_size: int) -> None:
+        self._address = payload_address
+        self._size = payload_size
+        self._before: list[bytes] = []
+        self._after: list[bytes] = []
+        self._seen_payload = False
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        if isinstance(data, pa.Buffer) and data.address == self._address:
+            if data.size != self._size or self._seen_payload:
+                raise RuntimeError("pyarrow wrote the payload in an unexpected way")
+            self._seen_payload = True
+        elif self._seen_payload:
+            self._after.append(bytes(data))
+        else:
+            self._before.append(bytes(data))
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def split(self) -> tuple[bytes, bytes]:
+        if not self._seen_payload:  # pragma: no cover - guards a pyarrow behaviour change
+            raise RuntimeError("pyarrow copied the payload; kvplugin.serde needs updating")
+        return b"".join(self._before), b"".join(self._after)
 
 
 def decode(data: Buffer, *, key: str | None = None) -> Block:
@@ -243,7 +304,7 @@ def decode(data: Buffer, *, key: str | None = None) -> Block:
     payload = view[payload_off : payload_off + payload_len]
     if xxhash.xxh3_128_digest(payload) != digest:
         raise ChecksumMismatch("payload checksum mismatch")
-    return Block(meta=meta, payload=payload, encoded=view)
+    return Block(meta=meta, payload=payload, encoded=EncodedBlock((view,), view.nbytes))
 
 
 def _check_envelope(view: memoryview) -> tuple[int, int]:
@@ -257,7 +318,7 @@ def _check_envelope(view: memoryview) -> tuple[int, int]:
         raise UnknownFormatVersion(f"format version {version}, this reader knows {FORMAT_VERSION}")
     if total != size:
         raise TruncatedBlock(f"object has {size} bytes, its header says {total}")
-    if not (ENVELOPE_SIZE < off and 0 < length and off + length <= size):
+    if not (off > ENVELOPE_SIZE and length > 0 and off + length <= size):
         raise BlockFormatError(f"payload range [{off}, {off + length}) outside the object")
     return off, length
 
@@ -340,10 +401,6 @@ def _byte_view(data: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("block bytes must be a C-contiguous buffer")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 def _is_uint(value: object, bits: int = 63) -> bool:

@@ -197,10 +197,13 @@ class BlockPool:
     ) -> tuple[list[tuple[Any, ...] | None], list[list[int]] | None]:
         keys: list[tuple[Any, ...] | None] = []
         lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        if request.has_no_extra_keys and lookahead is None:
+        if request.uniform_after_first_block and lookahead is None and first > 0:
+            # Every block past the first carries the same keys (LoRA or nothing).
             n = sum(1 for i in range(first, last) if not blocks[i].is_null
                     and (block_mask is None or block_mask[i - first]))
-            return [None] * n, None
+            lora = request.lora_request
+            k = None if lora is None else (("lora", lora.lora_name, lora.lora_path),)
+            return [k] * n, None
         mm_idx = 0
         for i in range(first, last):
             if blocks[i].is_null or (block_mask is not None and not block_mask[i - first]):
@@ -376,20 +379,23 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per entry; ``ordered_blocks`` is in eviction-priority order.
 
-        The whole call is validated first, so a double free raises before any count moves.
+        A count that would go below zero (a double free, also within one call) raises
+        after undoing this call's decrements, so the pool is left exactly as it was.
         """
-        blocks = [b for b in ordered_blocks if not b.is_null]
-        for b in blocks:
-            if b.ref_cnt <= 0:
-                raise ValueError(f"free of block {b.block_id} whose ref count is {b.ref_cnt}: "
-                                 "double free or a block this pool never handed out")
-        if len(blocks) > 1 and len({b.block_id for b in blocks}) != len(blocks):
-            self._check_duplicate_frees(blocks)
         first: list[KVCacheBlock] = []
         last: list[KVCacheBlock] = []
         caching = self.enable_caching
-        for b in blocks:
+        done: list[KVCacheBlock] = []
+        for b in ordered_blocks:
+            if b.is_null:
+                continue
+            if b.ref_cnt <= 0:
+                for d in done:
+                    d.ref_cnt += 1
+                raise ValueError(f"free of block {b.block_id} whose ref count is {b.ref_cnt}: "
+                                 "double free or a block this pool never handed out")
             b.ref_cnt -= 1
+            done.append(b)
             if b.ref_cnt == 0:
                 if b.block_hash is None or not caching:
                     first.append(b)
@@ -399,16 +405,6 @@ class BlockPool:
             self.free_block_queue.prepend_n(first)
         if last:
             self.free_block_queue.append_n(last)
-
-    @staticmethod
-    def _check_duplicate_frees(blocks: list[KVCacheBlock]) -> None:
-        counts: dict[int, int] = {}
-        for b in blocks:
-            counts[b.block_id] = counts.get(b.block_id, 0) + 1
-        for b in blocks:
-            if counts[b.block_id] > b.ref_cnt:
-                raise ValueError(f"free of block {b.block_id} {counts[b.block_id]} times with "
-                                 f"ref count {b.ref_cnt}: double free")
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
                      on_reuse: Callable[[KVCacheBlock], None]) -> None:

@@ -9,6 +9,7 @@ with different seeds coexist in one interpreter.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -213,7 +214,7 @@ class BlockHasher:
         self.block_size = block_size
         self.lookahead = lookahead
         self._fast = ctx.hash_fn is sha256_cbor and lookahead == 0
-        self._memo: dict[tuple[bytes, tuple[int, ...]], BlockHash] = {}
+        self._memo: dict[tuple[bytes, bytes, tuple[int, ...]], BlockHash] = {}
 
     def __call__(self, request: Request) -> list[BlockHash]:
         bs = self.block_size
@@ -222,27 +223,32 @@ class BlockHasher:
         if start + bs > limit:
             return []
         parent = request.block_hashes[-1] if request.block_hashes else self._ctx.none_hash
-        if not (self._fast and request.plain_after_first_block):
+        if not (self._fast and request.uniform_after_first_block):
             return self._hash_general(request, start, limit, parent)
         out: list[BlockHash] = []
-        if start == 0 and not request.has_no_extra_keys:
+        if start == 0 and request.cache_salt:
             out = self._hash_general(request, 0, bs, parent)  # block 0 carries the salt
             parent, start = out[0], bs
-        return out + self._hash_plain(request.all_token_ids, start, limit, parent)
+        lora = request.lora_request
+        # The extra keys of every remaining block are the same, so their canonical CBOR
+        # encoding (the third element of the hashed triple) is computed once.
+        tail = _NONE_TAIL if lora is None else _lora_tail(lora.lora_name, lora.lora_path)
+        return out + self._hash_uniform(request.all_token_ids, start, limit, parent, tail)
 
-    def _hash_plain(self, tokens: Sequence[int], start: int, limit: int,
-                    parent: BlockHash) -> list[BlockHash]:
-        """Blocks without extra keys: memoised fast canonical-CBOR path."""
+    def _hash_uniform(self, tokens: Sequence[int], start: int, limit: int, parent: BlockHash,
+                      tail: bytes) -> list[BlockHash]:
+        """Blocks sharing one extra-keys encoding: memoised fast canonical-CBOR path."""
         bs = self.block_size
         memo = self._memo
         if len(memo) >= self.MEMO_ENTRIES:
             memo.clear()
         out: list[BlockHash] = []
         while start + bs <= limit:
-            key = (parent, tuple(tokens[start:start + bs]))
+            block = tuple(tokens[start:start + bs])
+            key = (parent, tail, block)
             h = memo.get(key)
             if h is None:
-                h = _sha256_cbor_block(parent, key[1], bs)
+                h = _sha256_cbor_block(parent, block, bs, tail)
                 memo[key] = h
             out.append(h)
             parent = h
@@ -296,7 +302,12 @@ def _cbor_uint_head(major: int, n: int) -> bytes:
 
 
 def _encode_token(t: int) -> bytes:
-    enc = _cbor_uint_head(0, t) if t >= 0 else _cbor_uint_head(1, -1 - t)
+    if t >= 0:
+        enc = _cbor_uint_head(0, t)
+    elif t >= -0x10000000000000000:
+        enc = _cbor_uint_head(1, -1 - t)
+    else:  # a negative bignum (tag 3): _cbor_uint_head would encode its magnitude as tag 2
+        enc = cbor2.dumps(t, canonical=True)
     if len(_TOKEN_ENC) < 1 << 20:  # bound the memo; vocabularies are far smaller
         _TOKEN_ENC[t] = enc
     return enc
@@ -311,15 +322,23 @@ def _encode_tokens(tokens: Sequence[int]) -> bytes:
 
 
 _ARRAY_HEADS: dict[int, bytes] = {}
+_NONE_TAIL = b"\xf6"  # canonical CBOR of None
 
 
-def _sha256_cbor_block(parent: bytes, tokens: Sequence[int], bs: int) -> BlockHash:
-    """sha256(cbor2.dumps((parent, tuple(tokens), None), canonical=True)) for bs tokens."""
+@functools.lru_cache(maxsize=1024)
+def _lora_tail(name: str, path: str) -> bytes:
+    return cbor2.dumps((("lora", name, path),), canonical=True)
+
+
+def _sha256_cbor_block(parent: bytes, tokens: Sequence[int], bs: int,
+                       tail: bytes = _NONE_TAIL) -> BlockHash:
+    """sha256(cbor2.dumps((parent, tuple(tokens), extra), canonical=True)) for ``bs`` tokens,
+    where ``tail`` is the canonical encoding of ``extra``."""
     head = _ARRAY_HEADS.get(bs)
     if head is None:
         head = _ARRAY_HEADS[bs] = _cbor_uint_head(4, bs)
     return hashlib.sha256(b"".join((b"\x83", _cbor_uint_head(2, len(parent)), parent, head,
-                                    _encode_tokens(tokens), b"\xf6"))).digest()
+                                    _encode_tokens(tokens), tail))).digest()
 
 
 def _sha256_cbor_chain(

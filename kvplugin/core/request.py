@@ -93,8 +93,9 @@ class Request:
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
     prompt_embeds_hashes: dict[tuple[int, int], bytes] = field(init=False, default_factory=dict)
     has_no_extra_keys: bool = field(init=False)
-    # Extra keys can only appear on block 0 (a cache salt and nothing else).
-    plain_after_first_block: bool = field(init=False)
+    # Blocks after the first all carry the same extra keys (no multimodal items, no
+    # prompt embeddings): only LoRA, and a cache salt on block 0.
+    uniform_after_first_block: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -102,9 +103,9 @@ class Request:
         if any(f.offset < 0 or f.length <= 0 for f in self.mm_features):
             raise ValueError("multimodal features need offset >= 0 and length > 0")
         self.mm_features = sorted(self.mm_features, key=lambda f: f.offset)
-        per_block = bool(self.lora_request or self.mm_features or self.prompt_embeds is not None)
-        self.has_no_extra_keys = not (per_block or self.cache_salt)
-        self.plain_after_first_block = not per_block
+        varying = bool(self.mm_features) or self.prompt_embeds is not None
+        self.has_no_extra_keys = not (varying or self.lora_request or self.cache_salt)
+        self.uniform_after_first_block = not varying
         self.update_block_hashes()
 
     @property
