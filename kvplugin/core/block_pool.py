@@ -169,19 +169,28 @@ class BlockPool:
         suffix = kv_cache_group_id.to_bytes(4, "big")
         events = self.enable_kv_cache_events
         stored: list[int] = []
+        cache = self.cached_block_hash_to_block._cache
         for i, blk in enumerate(new_blocks):
             if blk.is_null or (block_mask is not None and not block_mask[i]):
                 continue
             block_hash = hashes[num_cached_blocks + i]
             num_tokens = (num_cached_blocks + i + 1) * block_size
-            if blk.block_hash is not None:
-                # Only partial->full promotion of the same block may meet a hashed block.
-                if blk.block_hash_num_tokens is None or blk.block_hash_num_tokens >= num_tokens:
-                    raise AssertionError(f"block {blk.block_id} is already cached")
-                self._emit_removed(self._remove_cached_block_hashes(blk))
-            self._insert_block_hash(block_hash + suffix, blk, num_tokens)
+            key = block_hash + suffix
+            if blk.block_hash is None and key not in cache:
+                # The common case, inlined: a fresh block under a fresh key.
+                blk.block_hash = key
+                blk.block_hash_num_tokens = num_tokens
+                cache[key] = blk
+            else:
+                if blk.block_hash is not None:
+                    # Only partial->full promotion of one block may meet a hashed block.
+                    if (blk.block_hash_num_tokens is None
+                            or blk.block_hash_num_tokens >= num_tokens):
+                        raise AssertionError(f"block {blk.block_id} is already cached")
+                    self._emit_removed(self._remove_cached_block_hashes(blk))
+                self._insert_block_hash(key, blk, num_tokens)
             if events:
-                stored.append(external_block_hash(block_hash))
+                stored.append(int.from_bytes(block_hash[-8:], "big"))
         if events:
             parent = (external_block_hash(hashes[num_cached_blocks - 1])
                       if num_cached_blocks else None)
@@ -197,10 +206,17 @@ class BlockPool:
     ) -> tuple[list[tuple[Any, ...] | None], list[list[int]] | None]:
         keys: list[tuple[Any, ...] | None] = []
         lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        if request.uniform_after_first_block and lookahead is None and first > 0:
-            # Every block past the first carries the same keys (LoRA or nothing).
-            n = sum(1 for i in range(first, last) if not blocks[i].is_null
-                    and (block_mask is None or block_mask[i - first]))
+        if lookahead is None and (request.has_no_extra_keys or (
+                first > 0 and request.uniform_after_first_block)):
+            # Every block here carries the same keys (LoRA or nothing).
+            if block_mask is None:
+                n = last - first
+                for i in range(first, last):
+                    if blocks[i].is_null:
+                        n -= 1
+            else:
+                n = sum(1 for i in range(first, last)
+                        if block_mask[i - first] and not blocks[i].is_null)
             lora = request.lora_request
             k = None if lora is None else (("lora", lora.lora_name, lora.lora_path),)
             return [k] * n, None
@@ -231,19 +247,16 @@ class BlockPool:
         lookahead: list[list[int]] | None,
     ) -> BlockStored:
         lora = request.lora_request
+        if not extra_keys:
+            event_keys = None
+        elif extra_keys[0] is None and extra_keys[-1] is None and not any(extra_keys):
+            event_keys = list(extra_keys)
+        else:
+            event_keys = to_event_extra_keys(extra_keys)
         return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent,
-            token_ids=request.all_token_ids[start:end],
-            block_size=block_size,
-            lora_id=lora.adapter_id if lora else None,
-            medium=self.medium,
-            lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra_keys),
-            group_idx=group_id,
-            session_id=request.session_id,
-            lookahead_token_ids=lookahead,
-        )
+            hashes, parent, request.all_token_ids[start:end], block_size,
+            lora.lora_int_id if lora else None, self.medium, lora.lora_name if lora else None,
+            event_keys, group_id, None, None, None, None, request.session_id, lookahead)
 
     def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
                                  block_size: int, kv_cache_group_id: int) -> None:
@@ -303,15 +316,20 @@ class BlockPool:
         return key
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
-        keys: list[BlockHashWithGroupId] = []
-        if block.block_hash is not None:
-            keys.append(block.block_hash)
+        primary = block.block_hash
+        if primary is None:
+            return []
+        keys = [primary]
         if self.cached_block_hashes_by_block:
             keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
-        if not keys:
-            return keys
-        pop = self.cached_block_hash_to_block.pop
-        removed = [k for k in keys if pop(k, block.block_id) is not None]
+        cache = self.cached_block_hash_to_block._cache
+        removed = []
+        for k in keys:
+            if cache.get(k) is block:
+                del cache[k]  # the common single-block entry
+                removed.append(k)
+            elif self.cached_block_hash_to_block.pop(k, block.block_id) is not None:
+                removed.append(k)
         block.block_hash = None
         block.block_hash_num_tokens = None
         return removed
@@ -319,10 +337,12 @@ class BlockPool:
     def _emit_removed(self, keys: list[BlockHashWithGroupId]) -> None:
         if not self.enable_kv_cache_events:
             return
+        queue = self.kv_event_queue
+        medium = self.medium
         for key in keys:
-            self.kv_event_queue.append(BlockRemoved(
-                block_hashes=[external_block_hash(get_block_hash(key))],
-                medium=self.medium, group_idx=get_group_id(key)))
+            # key = hash + 4-byte group id; events carry the hash's low 64 bits.
+            queue.append(BlockRemoved([int.from_bytes(key[-12:-4], "big")], medium,
+                                      int.from_bytes(key[-4:], "big")))
 
     def _insert_block_hash(self, key: BlockHashWithGroupId, block: KVCacheBlock,
                            num_tokens: int | None) -> None:
@@ -355,7 +375,8 @@ class BlockPool:
             self._notify_reuse(ret)
         if self.enable_caching:
             for block in ret:
-                if block.block_hash is not None or self.cached_block_hashes_by_block:
+                # Secondary keys only exist on blocks that have a primary one.
+                if block.block_hash is not None:
                     self._emit_removed(self._remove_cached_block_hashes(block))
                 block.ref_cnt = 1
         else:

@@ -122,6 +122,10 @@ class KVCacheCoordinator:
         self._has_cross = any(isinstance(m, CrossAttentionManager)
                               for m in self.single_type_managers)
         self._caching_managers = tuple((gid, m) for gid, m in self._indexed if m.enable_caching)
+        # Replay boundaries only matter to sparse (masked) caching.
+        self._needs_boundaries = any(
+            not m._dense_caching or isinstance(m.kv_cache_spec, MambaSpec)
+            for _, m in self._caching_managers)
         self.retention_interval = kv_cache_config.prefix_cache_retention_interval
         _validate_retention(self.retention_interval, scheduler_block_size, kv_cache_config)
 
@@ -186,8 +190,10 @@ class KVCacheCoordinator:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
-                                       bool(self.drop_eagle_group_ids))
+        boundaries: tuple[int, ...] = ()
+        if self._needs_boundaries:
+            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
+                                           bool(self.drop_eagle_group_ids))
         for gid, m in self._caching_managers:
             m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, gid),
                            self.retention_interval, replay_boundaries=boundaries)

@@ -64,6 +64,8 @@ class SingleTypeKVCacheManager:
         # Families that do not override ``block_mask`` register every full block; skip the
         # call on the hot path.
         self._dense_caching = type(self).block_mask is SingleTypeKVCacheManager.block_mask
+        self._cacheable = kv_cache_spec.prefix_cacheable
+        self._hash_block_size = block_pool.hash_block_size
 
     @property
     def has_positionally_stable_blocks(self) -> bool:
@@ -85,7 +87,7 @@ class SingleTypeKVCacheManager:
         prefill_end: int = 0,
     ) -> int:
         """How many blocks the next adoption + allocation takes from the free queue."""
-        required = cdiv(num_tokens, self.block_size)
+        required = -(num_tokens // -self.block_size)
         cap = self.max_admission_blocks_per_request
         if apply_admission_cap and cap is not None:
             required = min(required, cap)
@@ -166,14 +168,14 @@ class SingleTypeKVCacheManager:
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
         """Grow the table to cover ``num_tokens`` slots; returns what this call added."""
         cow: list[KVCacheBlock] = []
-        if request_id in self._partial_hit_reqs:
+        if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
             idx, source = self._partial_hit_reqs.pop(request_id)
             copy = self.block_pool.get_new_blocks(1)[0]
             self._apply_cow(request_id, idx, source, copy)
             self.new_block_ids.append(copy.block_id)
             cow.append(copy)
         table = self.req_to_blocks[request_id]
-        n = cdiv(num_tokens, self.block_size) - len(table)
+        n = -(num_tokens // -self.block_size) - len(table)
         if n <= 0:
             return cow
         new = self.block_pool.get_new_blocks(n)
@@ -223,12 +225,12 @@ class SingleTypeKVCacheManager:
                      retention_interval: int | None = None, *,
                      replay_boundaries: Sequence[int]) -> None:
         """Register the request's full blocks up to ``num_tokens`` (capped by its hashes)."""
-        if not self.kv_cache_spec.prefix_cacheable:
+        if not self._cacheable:
             return
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
-        hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
-        num_full = min(num_tokens, hashed_tokens) // self.block_size
+        hashed_tokens = len(request.block_hashes) * self._hash_block_size
+        num_full = (num_tokens if num_tokens < hashed_tokens else hashed_tokens) // self.block_size
         if num_cached >= num_full:
             return
         mask = None if self._dense_caching else self.block_mask(
