@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from importlib import resources
@@ -20,8 +21,14 @@ def _stem(path: str) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from kvplugin.replay import TraceError, UnsupportedTraceError, bench, dump_result, \
-        load_trace, run_trace
+    from kvplugin.replay import (
+        TraceError,
+        UnsupportedTraceError,
+        bench,
+        dump_result,
+        load_trace,
+        run_trace,
+    )
 
     if len(args.traces) > 1 and not (args.out_dir or args.bench):
         print("kvplugin replay: several traces need --out-dir", file=sys.stderr)
@@ -85,10 +92,7 @@ def summarize(result: dict[str, Any]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     from kvplugin.replay import load_trace, run_trace
 
-    if args.trace:
-        path = args.trace
-    else:
-        path = str(resources.files("kvplugin") / "data" / EXAMPLE_TRACE)
+    path = args.trace or str(resources.files("kvplugin") / "data" / EXAMPLE_TRACE)
     result = run_trace(load_trace(path))
     print(f"kvplugin: replayed {os.path.basename(path)} on the allocation core")
     print(summarize(result))
@@ -114,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command in ("replay", "run"):
+        # A refused reset_prefix_cache is a recorded result of the trace, not news.
+        logging.getLogger("kvplugin.core").setLevel(logging.ERROR)
     rc: int = args.func(args)
     return rc
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from kvplugin.core.blocks import external_block_hash
 from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager

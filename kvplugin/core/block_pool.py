@@ -18,8 +18,6 @@ from kvplugin.core.blocks import (
     FreeBlockQueue,
     KVCacheBlock,
     external_block_hash,
-    get_block_hash,
-    get_group_id,
 )
 from kvplugin.core.events import (
     MEDIUM_GPU,
@@ -55,37 +53,37 @@ class BlockHashToBlockMap:
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
-        if blocks is None or type(blocks) is KVCacheBlock:
-            return blocks  # type: ignore[return-value]
-        return next(iter(blocks.values()))  # type: ignore[union-attr]
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
 
     def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
         blocks = self._cache.get(key)
         if blocks is None:
             return False
-        if type(blocks) is KVCacheBlock:
-            return blocks.block_id == block_id  # type: ignore[union-attr]
-        return block_id in blocks  # type: ignore[operator]
+        if isinstance(blocks, KVCacheBlock):
+            return blocks.block_id == block_id
+        return block_id in blocks
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         blocks = self._cache.get(key)
         if blocks is None:
             self._cache[key] = block
-        elif type(blocks) is KVCacheBlock:
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}  # type: ignore[union-attr]
+        elif isinstance(blocks, KVCacheBlock):
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
         else:
-            blocks[block.block_id] = block  # type: ignore[index]
+            blocks[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         blocks = self._cache.pop(key, None)
         if blocks is None:
             return None
-        if type(blocks) is KVCacheBlock:
-            if blocks.block_id == block_id:  # type: ignore[union-attr]
-                return blocks  # type: ignore[return-value]
-            self._cache[key] = blocks
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id == block_id:
+                return blocks
+            self._cache[key] = blocks  # another block's entry: put it back
             return None
-        block = blocks.pop(block_id, None)  # type: ignore[union-attr]
+        block = blocks.pop(block_id, None)
         if blocks:
             self._cache[key] = blocks
         return block
@@ -97,9 +95,9 @@ class BlockHashToBlockMap:
         blocks = self._cache.get(key)
         if blocks is None:
             return []
-        if type(blocks) is KVCacheBlock:
-            return [blocks]  # type: ignore[list-item]
-        return list(blocks.values())  # type: ignore[union-attr]
+        if isinstance(blocks, KVCacheBlock):
+            return [blocks]
+        return list(blocks.values())
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -357,7 +355,8 @@ class BlockPool:
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """Re-point every key of ``src_block`` to the unhashed ``dst_block`` (no events)."""
-        if dst_block.block_hash is not None or dst_block.block_id in self.cached_block_hashes_by_block:
+        if (dst_block.block_hash is not None
+                or dst_block.block_id in self.cached_block_hashes_by_block):
             raise AssertionError(f"block {dst_block.block_id} is already cached")
         num_tokens = src_block.block_hash_num_tokens
         for key in self._remove_cached_block_hashes(src_block):

@@ -16,12 +16,10 @@ from kvplugin.core.single_type import manager_class_for
 from kvplugin.core.single_type.base import SingleTypeKVCacheManager
 from kvplugin.core.single_type.cross_attention import CrossAttentionManager
 from kvplugin.core.specs import (
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    cdiv,
     partial_hash_hits_possible,
 )
 
@@ -131,9 +129,10 @@ class KVCacheCoordinator:
 
     # ------------------------------------------------------------------ allocation
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
-        num_encoder_tokens: int, total_computed_tokens: int, num_local_computed_tokens: int,
-        num_tokens_main_model: int, apply_admission_cap: bool = False, prefill_end: int = 0,
+        self, request_id: str, num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]], num_encoder_tokens: int,
+        total_computed_tokens: int, num_local_computed_tokens: int, num_tokens_main_model: int,
+        apply_admission_cap: bool = False, prefill_end: int = 0,
     ) -> int:
         if self.retention_interval != 0:
             prefill_end = 0  # only sparse retention restricts Mamba checkpoints

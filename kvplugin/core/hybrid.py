@@ -137,9 +137,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             m = self.single_type_managers[sg.group_ids[0]]
             keep = cdiv(hit_length, m.block_size)
             for gid in sg.group_ids:
-                lst = blocks_by_group[gid]
-                if lst is not None:
-                    del lst[keep:]
+                kept = blocks_by_group[gid]
+                if kept is not None:
+                    del kept[keep:]
                     len_by_group[gid] = hit_length
         out = tuple(lst if lst is not None else [] for lst in blocks_by_group)
         return out, hit_length, longest - hit_length

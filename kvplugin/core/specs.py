@@ -197,7 +197,8 @@ def resolve_kv_cache_block_sizes(
             f"must be divisible by prefix_match_unit. Got group block sizes={sizes}, "
             f"prefix-cacheable={hashing}.")
     alignments = {g.kv_cache_spec.tokens_per_state for g in groups
-                  if isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.tokens_per_state > 1}
+                  if isinstance(g.kv_cache_spec, MambaSpec)
+                  and g.kv_cache_spec.tokens_per_state > 1}
     hit_alignment = hbs if partial_hash_hits_possible(groups, hbs) else sbs
     if any(hit_alignment % a for a in alignments):
         raise ValueError(f"Invalid prefix_match_unit={hbs}; prefix-cache boundaries must align "

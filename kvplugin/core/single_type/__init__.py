@@ -18,7 +18,8 @@ from kvplugin.core.specs import (
 _REGISTRY: dict[type[KVCacheSpec], str] = {
     FullAttentionSpec: "kvplugin.core.single_type.full:FullAttentionManager",
     SlidingWindowSpec: "kvplugin.core.single_type.sliding_window:SlidingWindowManager",
-    ChunkedLocalAttentionSpec: "kvplugin.core.single_type.chunked_local:ChunkedLocalAttentionManager",
+    ChunkedLocalAttentionSpec:
+        "kvplugin.core.single_type.chunked_local:ChunkedLocalAttentionManager",
     MambaSpec: "kvplugin.core.single_type.mamba:MambaManager",
     CrossAttentionSpec: "kvplugin.core.single_type.cross_attention:CrossAttentionManager",
 }
@@ -30,7 +31,7 @@ class UnsupportedSpecError(ValueError):
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     for klass in type(spec).__mro__:
-        target = _REGISTRY.get(klass)  # type: ignore[arg-type]
+        target = _REGISTRY.get(klass)
         if target is None:
             continue
         module, _, name = target.partition(":")
