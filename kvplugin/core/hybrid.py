@@ -17,7 +17,9 @@ from kvplugin.core.coordinator import (
     SpecGroup,
     eagle_proof_margin,
     partial_hash_hits_enabled,
+    replay_boundaries,
 )
+from kvplugin.core.request import Request
 from kvplugin.core.specs import FullAttentionSpec, MambaSpec, cdiv
 
 
@@ -84,6 +86,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             finalized = max(0, num_computed_tokens - self.num_reprefillable_tokens)
             return min(finalized, self._align_cacheable(finalized) + m.block_size)
         return aligned
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        # Same as the base fan-out with get_num_cacheable_tokens inlined for the common
+        # (non-EAGLE) groups: this runs for every scheduled request every step.
+        boundaries: tuple[int, ...] = ()
+        if self._needs_boundaries:
+            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
+                                           bool(self.drop_eagle_group_ids))
+        aligned = self._align_cacheable(num_computed_tokens)
+        retention = self.retention_interval
+        for gid, m in self._caching_managers:
+            n = self.get_num_cacheable_tokens(num_computed_tokens, gid) if m.use_eagle \
+                else aligned
+            m.cache_blocks(request, n, retention, replay_boundaries=boundaries)
 
     def _margin(self, sg: SpecGroup, num_hashes: int, length: int) -> int:
         bs = self.single_type_managers[sg.group_ids[0]].block_size

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvplugin.core.block_pool import BlockPool
 from kvplugin.core.blocks import BlockHash, KVCacheBlock
@@ -15,6 +15,13 @@ from kvplugin.core.specs import KVCacheSpec, cdiv
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        if self.block_size == self._hash_block_size:
+            # No prompt tail can end inside a block: skip this class's wrapper frame on
+            # the hot path.
+            self.cache_blocks = super().cache_blocks  # type: ignore[method-assign]
 
     @classmethod
     def find_longest_cache_hit(

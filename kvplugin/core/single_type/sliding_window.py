@@ -116,3 +116,17 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        # Hot path (every step of every request): the base rule, inlined.
+        skipped = (processed_computed_tokens - self.sliding_window + 1
+                   - self.extra_retained_tokens)
+        if skipped <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        n = skipped // self.block_size
+        if n > len(blocks):
+            n = len(blocks)
+        if n and blocks[n - 1] is not self._null_block:
+            self._remove_blocks_in_range(request_id, 0, n)
