@@ -93,6 +93,7 @@ class Request:
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
     prompt_embeds_hashes: dict[tuple[int, int], bytes] = field(init=False, default_factory=dict)
     has_no_extra_keys: bool = field(init=False)
+    _next_hash_at: int = field(init=False, default=0, repr=False)
     # Blocks after the first all carry the same extra keys (no multimodal items, no
     # prompt embeddings): only LoRA, and a cache salt on block 0.
     uniform_after_first_block: bool = field(init=False)
@@ -124,11 +125,18 @@ class Request:
             self.all_token_ids.append(token_ids)
         else:
             self.all_token_ids.extend(token_ids)
-        self.update_block_hashes()
+        if len(self.all_token_ids) >= self._next_hash_at:
+            self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         if self.block_hasher is not None:
             self.block_hashes.extend(self.block_hasher(self))
+            # The hasher only produces something once the next hash block is complete;
+            # remember where that is so decode steps skip the call.
+            bs = getattr(self.block_hasher, "block_size", None)
+            if bs is not None:
+                self._next_hash_at = ((len(self.block_hashes) + 1) * bs
+                                      + getattr(self.block_hasher, "lookahead", 0))
 
     def prompt_embeds_bytes(self, start: int, end: int) -> bytes:
         rows = self.prompt_embeds[start:end]

@@ -52,8 +52,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             [null] * max_blocks for _ in kv_cache_group_ids)
         run = 0
         found = False
+        single = len(kv_cache_group_ids) == 1
+        get_one = block_pool.cached_block_hash_to_block.get_one_block
+        suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+        cached: list[KVCacheBlock] | None
         for i in range(max_blocks - 1, -1, -1):
-            cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if single:
+                one = get_one(hashes[i] + suffix)
+                cached = None if one is None else [one]
+            else:
+                cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
             if not cached:
                 run = 0
                 continue
