@@ -16,6 +16,7 @@ from kvplugin.core.single_type import manager_class_for
 from kvplugin.core.single_type.base import SingleTypeKVCacheManager
 from kvplugin.core.single_type.cross_attention import CrossAttentionManager
 from kvplugin.core.specs import (
+    ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
@@ -235,6 +236,21 @@ class KVCacheCoordinator:
         raise NotImplementedError
 
 
+def check_lookup_layout(coord: KVCacheCoordinator, alignment: int) -> None:
+    """Reject at construction the layouts whose prefix lookups vLLM would refuse later."""
+    for gid, m in enumerate(coord.single_type_managers):
+        if not isinstance(m.kv_cache_spec, ChunkedLocalAttentionSpec) or not m.enable_caching:
+            continue
+        if gid in coord.drop_eagle_group_ids:
+            raise ValueError(f"group {gid}: EAGLE is not supported with chunked local "
+                             "attention and prefix caching")
+        if m.block_size != alignment:
+            raise ValueError(
+                f"group {gid}: chunked local attention needs its block size ({m.block_size}) "
+                f"to equal the cache-hit alignment ({alignment}); mixed block sizes are not "
+                "supported with chunked local attention and prefix caching")
+
+
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Caching off: any number of groups, never a hit."""
 
@@ -266,6 +282,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self.block_size = m.block_size
         self._drop = 0 in self.drop_eagle_group_ids
         m.use_eagle = self._drop
+        check_lookup_layout(self, self.block_size)
         self._find = type(m).find_longest_cache_hit
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],

@@ -15,6 +15,7 @@ from kvplugin.core.coordinator import (
     Hits,
     KVCacheCoordinator,
     SpecGroup,
+    check_lookup_layout,
     eagle_proof_margin,
     partial_hash_hits_enabled,
     replay_boundaries,
@@ -40,6 +41,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             self.scheduler_block_size
         for m in self.single_type_managers:
             m.cache_hit_alignment_tokens = self.cache_hit_alignment_tokens
+        check_lookup_layout(self, self.cache_hit_alignment_tokens)
         self._split_groups()
 
     def _split_groups(self) -> None:
