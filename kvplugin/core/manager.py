@@ -262,6 +262,8 @@ class KVCacheManager:
             if len(hits) != self.num_kv_cache_groups:
                 raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager "
                                  f"{self.num_kv_cache_groups}")
+            if any(hits):
+                self._check_can_adopt(request.request_id)
         coord = self.coordinator
         rid = request.request_id
         local = request.num_computed_tokens + num_new_computed_tokens
@@ -300,6 +302,16 @@ class KVCacheManager:
             # Cache at scheduling time; capping at T leaves draft tokens out.
             coord.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_can_adopt(self, request_id: str) -> None:
+        """Prefix hits are adopted only by a request that holds no blocks yet.  vLLM asserts
+        this midway (after releasing out-of-window blocks); checking first keeps a misuse
+        from changing anything."""
+        for m in self.coordinator.single_type_managers:
+            if request_id in m.num_cached_block or m.req_to_blocks.get(request_id):
+                raise ValueError(
+                    f"request {request_id!r} already holds blocks (it is running): prefix-cache "
+                    "hits can only be adopted by a new request")
 
     # ------------------------------------------------------------------ freeing
     def free(self, request: Request) -> None:
