@@ -7,10 +7,7 @@ import json
 import logging
 import os
 import sys
-from importlib import resources
 from typing import Any
-
-EXAMPLE_TRACE = "example_trace.json"
 
 
 def _stem(path: str) -> str:
@@ -77,7 +74,7 @@ def summarize(result: dict[str, Any]) -> str:
     allocs = [r for r in rows if r["op"] == "allocate_slots"]
     prompt_tokens = sum(r.get("num_tokens", 0) for r in rows if r["op"] == "add_request")
     res = result["resolved"]
-    lines = [
+    return "\n".join([
         f"layout       : {res['coordinator']} {res['managers']} block sizes "
         f"{res['group_block_sizes']}",
         f"requests     : {requests} ({prompt_tokens} prompt tokens)",
@@ -85,18 +82,50 @@ def summarize(result: dict[str, Any]) -> str:
         f"allocations  : {len(allocs)}, failed (no room) {s['allocate_slots_failed']}",
         f"errors       : {s['num_errors']}",
         f"free blocks  : {s['final_num_free_blocks']} of {res['num_free_blocks']} at the end",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvplugin.replay import load_trace, run_trace
+    """The main job: replay a trace, or simulate the configured deployment's traffic."""
+    if args.trace:
+        from kvplugin.replay import load_trace, run_trace
 
-    path = args.trace or str(resources.files("kvplugin") / "data" / EXAMPLE_TRACE)
-    result = run_trace(load_trace(path))
-    print(f"kvplugin: replayed {os.path.basename(path)} on the allocation core")
-    print(summarize(result))
-    return 1 if result["summary"]["num_errors"] else 0
+        result = run_trace(load_trace(args.trace))
+        print(f"kvplugin: replayed {os.path.basename(args.trace)} on the allocation core")
+        print(summarize(result))
+        return 1 if result["summary"]["num_errors"] else 0
+
+    from kvplugin.config import ConfigError, load_config
+    from kvplugin.sim import Limits, Simulation, Workload
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"kvplugin run: {e}", file=sys.stderr)
+        return 2
+    w = cfg.workload.model_dump()
+    if args.requests is not None:
+        w["num_requests"] = args.requests
+    if args.seed is not None:
+        w["seed"] = args.seed
+    sim = Simulation(cfg.layout.as_trace_config(), Workload(**w),
+                     Limits(**cfg.limits.model_dump()))
+    r = sim.run()
+    if args.save_trace:
+        with open(args.save_trace, "w") as f:
+            json.dump(r.trace, f)
+    rate = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+    res = sim.rep.describe()
+    print(f"kvplugin: simulated {args.config or 'the embedded default config'}")
+    print("\n".join([
+        f"layout       : {res['coordinator']} {res['managers']} block sizes "
+        f"{res['group_block_sizes']}, {r.total_blocks} usable blocks",
+        f"requests     : {r.requests} ({r.prompt_tokens} prompt tokens) in {r.steps} steps",
+        f"prefix hits  : {r.hit_tokens} tokens at admission ({rate:.1%} of prompt tokens)",
+        f"allocations  : {r.failed_allocations} failed (no room), {r.preemptions} preemptions",
+        f"free blocks  : {r.final_free_blocks} of {r.total_blocks} at the end",
+    ]))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,8 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--bench", type=int, metavar="N",
                     help="replay each trace N times and print ops/sec as JSON")
     rp.set_defaults(func=cmd_replay)
-    run = sub.add_parser("run", help="run the main job on the embedded default")
-    run.add_argument("--trace", help="replay this trace instead of the bundled example")
+    run = sub.add_parser("run", help="run the main job (default: the embedded config)")
+    run.add_argument("--config", help="deployment config (YAML / TOML / JSON)")
+    run.add_argument("--trace", help="replay this trace instead of simulating")
+    run.add_argument("--requests", type=int, help="override workload.num_requests")
+    run.add_argument("--seed", type=int, help="override workload.seed")
+    run.add_argument("--save-trace", metavar="OUT",
+                     help="write the simulated calls as a conformance trace")
     run.set_defaults(func=cmd_run)
     return ap
 
