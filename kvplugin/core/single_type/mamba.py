@@ -360,12 +360,13 @@ class MambaManager(SingleTypeKVCacheManager):
             super().remove_skipped_blocks(request_id, processed_computed_tokens,
                                           num_prompt_tokens)
             return
-        # Every state slot before the last processed token's is dead.
+        # Every state slot before the last processed token's is dead; most steps retire
+        # nothing new, so check the watermark before walking.
         blocks = self.req_to_blocks.get(request_id)
         if blocks is not None and processed_computed_tokens > 1:
-            self._remove_blocks_in_range(
-                request_id, 0, min((processed_computed_tokens - 1) // self.block_size,
-                                   len(blocks)))
+            last = min((processed_computed_tokens - 1) // self.block_size, len(blocks))
+            if last > self._num_retired_blocks.get(request_id, 0):
+                self._remove_blocks_in_range(request_id, 0, last)
         # The previous step's source state may sit above the watermark (prefill tables
         # are not contiguous); release it once a newer state is committed.
         last_state = self.last_state_block_idx.get(request_id)
@@ -415,9 +416,13 @@ class MambaManager(SingleTypeKVCacheManager):
                      replay_boundaries: Sequence[int]) -> None:
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, num_tokens, retention_interval,
-                             replay_boundaries=replay_boundaries)
-        after = self.num_cached_block.get(rid, 0)
+        hashed = len(request.block_hashes) * self.block_pool.hash_block_size
+        if min(num_tokens, hashed) // self.block_size > before:
+            super().cache_blocks(request, num_tokens, retention_interval,
+                                 replay_boundaries=replay_boundaries)
+            after = self.num_cached_block.get(rid, 0)
+        else:
+            after = before  # no new full slot (the base class would return at once)
         if self._align:
             key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
             if key is not None:
