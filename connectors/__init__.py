@@ -1,5 +1,13 @@
 """KV connectors: storage backends that speak keys and bytes only.
 
 Connectors never import ``kvplugin.core`` or the async layer, so a third party can write
-one against :mod:`connectors.base` alone.
+one against :mod:`connectors.base` alone. Modules (imported on demand, none from here):
+
+* :mod:`connectors.base` — the protocol, capabilities, stats, errors, deadlines, breaker
+* :mod:`connectors.keys` — stable namespaced storage keys and chunking
+* :mod:`connectors.memory`, :mod:`connectors.disk`, :mod:`connectors.redis` — the stores
+* :mod:`connectors.tiered` — memory → disk → Redis composition
+* :mod:`connectors.faults` — fault injection and a disposable ``redis-server`` for tests
+
+Objects are stored in the verified block format of :mod:`kvplugin.serde`.
 """

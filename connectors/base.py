@@ -1,0 +1,548 @@
+"""The connector protocol: async, keys and blocks only, every call bounded by a deadline.
+
+What a caller can rely on, for every connector:
+
+* ``lookup(keys)`` answers how many keys are present *from the start* (a prefix count);
+  ``get(keys)`` returns one :class:`~kvplugin.serde.Block` or ``None`` per key, and a block is
+  only ever returned after its checksums and metadata verified. A corrupt, truncated, foreign
+  or misplaced object is a counted miss and is deleted.
+* Reads degrade, writes report: when the backend is dead, slow or broken, ``lookup``/``get``
+  return misses (0 / ``None``) within their deadline and count the failure in
+  :meth:`Connector.stats`; ``put``/``delete`` raise a :class:`ConnectorError` subclass.
+* Every public call takes ``timeout`` (seconds) and returns or raises within it; misuse
+  (bad keys, bad timeouts, a closed connector) raises ``ValueError``/``TypeError``/
+  :class:`ConnectorClosed` right away.
+* Cancellation is safe: nothing half-written becomes readable and no resource leaks.
+
+:class:`StoreBase` implements all of that over five small primitives, so a backend only
+writes raw byte I/O. Connectors never import ``kvplugin.core`` or the async manager layer.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import TYPE_CHECKING, Self, TypeVar
+
+from connectors.keys import ObjectKey
+from kvplugin import serde
+from kvplugin.serde import Block, BlockFormatError, EncodedBlock
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "Capabilities",
+    "CircuitBreaker",
+    "CircuitOpen",
+    "Connector",
+    "ConnectorClosed",
+    "ConnectorError",
+    "ConnectorStats",
+    "ConnectorTimeout",
+    "Deadline",
+    "Health",
+    "PutItem",
+    "PutOutcome",
+    "StorageFull",
+    "StoragePermissionError",
+    "StoreBase",
+    "check_items",
+    "check_keys",
+    "check_timeout",
+    "encode_for",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+PutItem = tuple[ObjectKey, Block]
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+class ConnectorError(Exception):
+    """A backend failed; the operation did not (fully) happen."""
+
+
+class ConnectorTimeout(ConnectorError, TimeoutError):
+    """The call's deadline passed before the backend answered."""
+
+
+class BackendUnavailable(ConnectorError):
+    """The backend cannot be reached (refused, reset, down)."""
+
+
+class CircuitOpen(BackendUnavailable):
+    """Failing fast: the backend failed repeatedly and is in its cool-down."""
+
+
+class StorageFull(ConnectorError):
+    """The backend is out of space (ENOSPC, EDQUOT, Redis OOM)."""
+
+
+class StoragePermissionError(ConnectorError):
+    """The backend refused access (EACCES, EPERM, EROFS, Redis NOPERM/NOAUTH)."""
+
+
+class BackendError(ConnectorError):
+    """Any other backend failure (I/O error, unexpected reply)."""
+
+
+class ConnectorClosed(RuntimeError):
+    """The connector was used after ``aclose()``: a programming error, never read as a miss."""
+
+
+# --- value objects -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a connector promises. ``tier`` maps to vLLM's cache-hit sources."""
+
+    tier: str  # "host", "disk", "remote" or "tiered"
+    persistent: bool  # survives a restart of this process
+    shared: bool  # other processes see its objects
+    atomic_put: bool = True  # an object is either fully readable or absent
+    ttl: bool = False  # objects can expire on their own
+    max_object_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    """Plain counters; ``stats()`` returns a copy. Hit rates are derived, never stored."""
+
+    lookups: int = 0  # lookup calls
+    lookup_keys: int = 0  # keys asked about
+    lookup_hits: int = 0  # keys answered present (the prefix)
+    hits: int = 0  # objects returned by get
+    misses: int = 0  # keys get did not return (absent, corrupt, failed)
+    corrupt_detected: int = 0  # objects that failed verification (and were deleted)
+    errors: int = 0  # calls that failed in the backend
+    timeouts: int = 0  # calls cut by their deadline
+    stored: int = 0  # objects written
+    existing: int = 0  # puts of objects already present
+    rejected: int = 0  # puts refused by policy (bigger than the budget)
+    dropped: int = 0  # puts reported stored but deliberately not written (fault injection)
+    deleted: int = 0  # objects removed by delete()
+    evicted: int = 0  # objects removed to respect a budget
+    bytes_in: int = 0  # bytes read from the backend
+    bytes_out: int = 0  # bytes written to the backend
+
+    def copy(self) -> ConnectorStats:
+        return ConnectorStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __add__(self, other: ConnectorStats) -> ConnectorStats:
+        return ConnectorStats(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    ok: bool
+    detail: str = ""
+    latency_s: float | None = None
+
+
+class PutOutcome(enum.Enum):
+    WRITTEN = "written"
+    EXISTS = "exists"
+    REJECTED = "rejected"
+
+
+def check_timeout(timeout: float) -> float:
+    """A deadline must be a finite positive number of seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not (0 < timeout < math.inf):
+        raise ValueError(f"timeout must be finite and > 0, got {timeout!r}")
+    return float(timeout)
+
+
+@dataclass(slots=True)
+class Deadline:
+    """An absolute deadline on the monotonic clock, shared by the steps of one call."""
+
+    at: float
+
+    @classmethod
+    def after(cls, timeout: float) -> Deadline:
+        return cls(time.monotonic() + check_timeout(timeout))
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    """Closed → open after ``threshold`` consecutive failures → one half-open probe after
+    ``cooldown`` seconds → closed on success, open again on failure.
+
+    While open, calls fail fast instead of each waiting out its deadline on a dead backend.
+    """
+
+    threshold: int = 5
+    cooldown: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    failures: int = 0
+    opened_at: float | None = None
+    probing: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if self.probing else "open"
+
+    def acquire(self) -> bool:
+        """Whether a call may go to the backend; True may make this call the probe."""
+        if self.opened_at is None:
+            return True
+        if self.probing or self.clock() - self.opened_at < self.cooldown:
+            return False
+        self.probing = True
+        return True
+
+    def success(self) -> None:
+        self.failures = 0
+        self.opened_at = None
+        self.probing = False
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.probing or self.failures >= self.threshold:
+            self.opened_at = self.clock()
+        self.probing = False
+
+    def release(self) -> None:
+        """A call ended with neither verdict (cancelled): let another call probe."""
+        self.probing = False
+
+
+def encode_for(key: ObjectKey, block: Block) -> EncodedBlock:
+    """The bytes to store for ``block`` under ``key`` (validate with :func:`check_items`)."""
+    if block.encoded is not None:
+        return block.encoded  # already verified bytes (a block read from another tier)
+    return serde.encode(block.meta, block.payload)
+
+
+def check_keys(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+    """Validate a batch of keys before any I/O (misuse must not look like a miss)."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a sequence of ObjectKey, got {type(keys).__name__}")
+    for key in keys:
+        if not isinstance(key, ObjectKey):
+            raise TypeError(f"keys must be ObjectKey, got {type(key).__name__}")
+    return list(keys)
+
+
+def check_items(items: Sequence[PutItem]) -> list[PutItem]:
+    """Validate a batch of (key, block) pairs before any I/O."""
+    if not isinstance(items, Sequence):
+        raise TypeError(
+            f"items must be a sequence of (ObjectKey, Block), got {type(items).__name__}"
+        )
+    for key, block in items:
+        if not isinstance(key, ObjectKey):
+            raise TypeError(f"keys must be ObjectKey, got {type(key).__name__}")
+        if not isinstance(block, Block):
+            raise TypeError(f"values must be kvplugin.serde.Block, got {type(block).__name__}")
+        if not key.matches(block.meta):
+            raise ValueError(
+                f"block metadata does not belong to key {key.id} (build it with key.meta)"
+            )
+    return list(items)
+
+
+def _ids(keys: Sequence[ObjectKey]) -> list[str]:
+    return [key.id for key in check_keys(keys)]
+
+
+# --- the protocol ------------------------------------------------------------------------
+
+
+class Connector(abc.ABC):
+    """The async connector protocol. Use as ``async with``; always ``aclose()``."""
+
+    name: str
+    capabilities: Capabilities
+
+    @abc.abstractmethod
+    async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
+        """How many of ``keys`` are present, counted from the first; 0 on failure."""
+
+    @abc.abstractmethod
+    async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
+        """Verified blocks (payloads are zero-copy views), ``None`` for every miss."""
+
+    @abc.abstractmethod
+    async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
+        """Store objects that are not yet present; returns how many are present now.
+
+        Each object is written atomically, so a failed or cancelled batch leaves some
+        objects fully stored and the rest absent. The payloads must stay unchanged until
+        the call returns (a change after that is caught by the checksum on load).
+        """
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
+        """Remove objects; returns how many were present."""
+
+    @abc.abstractmethod
+    async def health(self, *, timeout: float) -> Health:
+        """A liveness probe; never raises for backend trouble."""
+
+    @abc.abstractmethod
+    def stats(self) -> ConnectorStats:
+        """A snapshot of the counters."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release every resource; idempotent. Later calls raise :class:`ConnectorClosed`."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class Guarded:
+    """Deadline and failure bookkeeping shared by every connector implementation."""
+
+    name: str
+    _stats: ConnectorStats
+    _closed: bool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectorClosed(f"connector {self.name!r} is closed")
+
+    def _on_deadline(self) -> None:
+        """Hook: a call ran out of time (backends with a circuit breaker count it)."""
+
+    async def _read(
+        self, op: str, aw: Awaitable[T], timeout: float, miss: T, *, misses: int = 0
+    ) -> T:
+        """Run a read under its deadline; any backend failure becomes ``miss``
+        (and counts ``misses`` keys as missed)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await aw
+        except ConnectorError as exc:
+            self._stats.errors += 1
+            logger.debug("%s %s failed, answering a miss: %s", self.name, op, exc)
+        except TimeoutError:
+            self._stats.timeouts += 1
+            self._on_deadline()
+            logger.debug(
+                "%s %s: deadline of %.3fs passed, answering a miss", self.name, op, timeout
+            )
+        self._stats.misses += misses
+        return miss
+
+    async def _write(self, op: str, aw: Awaitable[T], timeout: float) -> T:
+        """Run a write under its deadline; failures raise :class:`ConnectorError`."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await aw
+        except ConnectorError:
+            self._stats.errors += 1
+            raise
+        except TimeoutError:
+            self._stats.timeouts += 1
+            self._on_deadline()
+            raise ConnectorTimeout(f"{self.name} {op}: no answer within {timeout:.3f}s") from None
+
+
+class StoreBase(Guarded, Connector):
+    """A connector over five raw primitives; subclasses do byte I/O only.
+
+    The primitives receive validated storage ids (96 hex chars) and may raise only
+    :class:`ConnectorError` subclasses for backend trouble.
+    """
+
+    def __init__(self, *, name: str, capabilities: Capabilities) -> None:
+        self.name = name
+        self.capabilities = capabilities
+        self._stats = ConnectorStats()
+        self._closed = False
+
+    # primitives ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _prefix_present(self, ids: list[str]) -> int:
+        """How many ids are present from the start."""
+
+    @abc.abstractmethod
+    async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
+        """The stored bytes (unverified) or ``None`` per id."""
+
+    @abc.abstractmethod
+    async def _store(
+        self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
+    ) -> list[PutOutcome]:
+        """Write each object atomically; without ``overwrite``, keep existing ones."""
+
+    @abc.abstractmethod
+    async def _remove(self, ids: list[str]) -> int:
+        """Delete; returns how many existed."""
+
+    @abc.abstractmethod
+    async def _ping(self) -> None:
+        """Raise a :class:`ConnectorError` when the backend is not usable."""
+
+    async def _close(self) -> None:
+        """Release backend resources."""
+
+    # public API -----------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
+        self._check_open()
+        ids = _ids(keys)
+        timeout = check_timeout(timeout)
+        if not ids:
+            return 0
+        n = await self._read("lookup", self._prefix_present(ids), timeout, 0)
+        self._stats.lookups += 1
+        self._stats.lookup_keys += len(ids)
+        self._stats.lookup_hits += n
+        return n
+
+    async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
+        self._check_open()
+        ids = _ids(keys)
+        timeout = check_timeout(timeout)
+        deadline = Deadline.after(timeout)
+        if not ids:
+            return []
+        raws = await self._read("get", self._fetch(ids), timeout, [None] * len(ids))
+        out: list[Block | None] = []
+        corrupt: list[str] = []
+        for key, raw in zip(keys, raws, strict=True):
+            block = self._verify(key, raw, corrupt)
+            out.append(block)
+        if corrupt:
+            await self._drop_corrupt(corrupt, deadline)
+        return out
+
+    def _verify(self, key: ObjectKey, raw: Buffer | None, corrupt: list[str]) -> Block | None:
+        if raw is None:
+            self._stats.misses += 1
+            return None
+        self._stats.bytes_in += memoryview(raw).nbytes
+        try:
+            block = serde.decode(raw, key=key.id)
+            if not key.matches(block.meta):
+                raise serde.MetadataMismatch("namespace fields differ from the key's")
+        except BlockFormatError as exc:
+            self._stats.corrupt_detected += 1
+            self._stats.misses += 1
+            corrupt.append(key.id)
+            logger.warning("%s: dropping corrupt object %s: %s", self.name, key.id, exc)
+            return None
+        self._stats.hits += 1
+        return block
+
+    async def _drop_corrupt(self, ids: list[str], deadline: Deadline) -> None:
+        """Delete objects that failed verification, within what is left of the deadline."""
+        budget = max(deadline.remaining(), 0.05)  # a failed delete is retried on the next load
+        try:
+            async with asyncio.timeout(budget):
+                await self._remove(ids)
+        except (TimeoutError, ConnectorError) as exc:
+            self._stats.errors += 1
+            logger.warning(
+                "%s: could not delete %d corrupt object(s): %r", self.name, len(ids), exc
+            )
+
+    async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
+        self._check_open()
+        timeout = check_timeout(timeout)
+        encoded = [(key.id, encode_for(key, block)) for key, block in check_items(items)]
+        if not encoded:
+            return 0
+        outcomes = await self._write("put", self._store(encoded, overwrite=False), timeout)
+        return self._count_puts(encoded, outcomes)
+
+    def _count_puts(
+        self, encoded: list[tuple[str, EncodedBlock]], outcomes: list[PutOutcome]
+    ) -> int:
+        present = 0
+        for (_, enc), outcome in zip(encoded, outcomes, strict=True):
+            if outcome is PutOutcome.WRITTEN:
+                self._stats.stored += 1
+                self._stats.bytes_out += enc.nbytes
+                present += 1
+            elif outcome is PutOutcome.EXISTS:
+                self._stats.existing += 1
+                present += 1
+            else:
+                self._stats.rejected += 1
+        return present
+
+    async def delete(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
+        self._check_open()
+        ids = _ids(keys)
+        timeout = check_timeout(timeout)
+        if not ids:
+            return 0
+        n = await self._write("delete", self._remove(ids), timeout)
+        self._stats.deleted += n
+        return n
+
+    async def health(self, *, timeout: float) -> Health:
+        self._check_open()
+        timeout = check_timeout(timeout)
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._ping()
+        except TimeoutError:
+            return Health(False, f"no answer within {timeout:.3f}s")
+        except ConnectorError as exc:
+            return Health(False, f"{type(exc).__name__}: {exc}")
+        return Health(True, "ok", time.monotonic() - start)
+
+    def stats(self) -> ConnectorStats:
+        return self._stats.copy()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._close()
+
+    # raw access (tooling, migration, fault tests) --------------------------------------------
+
+    async def read_raw(self, key: ObjectKey, *, timeout: float) -> bytes | None:
+        """The stored bytes of one object, NOT verified. For tools and tests."""
+        self._check_open()
+        (sid,) = _ids([key])
+        raws = await self._write("read_raw", self._fetch([sid]), check_timeout(timeout))
+        return None if raws[0] is None else bytes(raws[0])
+
+    async def write_raw(self, key: ObjectKey, data: Buffer, *, timeout: float) -> None:
+        """Store arbitrary bytes under ``key``, replacing what is there. For tools and tests."""
+        self._check_open()
+        (sid,) = _ids([key])
+        view = memoryview(data)
+        enc = EncodedBlock((view,), view.nbytes)
+        await self._write(
+            "write_raw", self._store([(sid, enc)], overwrite=True), check_timeout(timeout)
+        )

@@ -1,0 +1,99 @@
+"""In-process memory connector: a byte-bounded LRU of encoded objects.
+
+It is both the CPU tier and the fake the tests use, so it stores the same verified format as
+every other connector (a flipped byte in memory is caught exactly like one on disk).
+Everything runs on the event loop without awaiting, so it never times out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from connectors.base import Capabilities, PutOutcome, StoreBase
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from kvplugin.serde import EncodedBlock
+
+__all__ = ["MemoryConnector"]
+
+
+class MemoryConnector(StoreBase):
+    """LRU by access (``get`` refreshes recency, ``lookup`` does not)."""
+
+    def __init__(self, *, capacity_bytes: int, name: str = "memory") -> None:
+        if type(capacity_bytes) is not int or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        super().__init__(
+            name=name,
+            capabilities=Capabilities(
+                tier="host", persistent=False, shared=False, max_object_bytes=capacity_bytes
+            ),
+        )
+        self.capacity_bytes = capacity_bytes
+        self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    async def _prefix_present(self, ids: list[str]) -> int:
+        n = 0
+        for sid in ids:
+            if sid not in self._objects:
+                break
+            n += 1
+        return n
+
+    async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
+        out: list[Buffer | None] = []
+        for sid in ids:
+            data = self._objects.get(sid)
+            if data is not None:
+                self._objects.move_to_end(sid)
+            out.append(data)
+        return out
+
+    async def _store(
+        self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
+    ) -> list[PutOutcome]:
+        return [self._store_one(sid, enc, overwrite) for sid, enc in items]
+
+    def _store_one(self, sid: str, enc: EncodedBlock, overwrite: bool) -> PutOutcome:
+        if sid in self._objects:
+            if not overwrite:
+                self._objects.move_to_end(sid)
+                return PutOutcome.EXISTS
+            self._used -= len(self._objects.pop(sid))
+        if enc.nbytes > self.capacity_bytes:
+            return PutOutcome.REJECTED
+        while self._used + enc.nbytes > self.capacity_bytes:
+            _, victim = self._objects.popitem(last=False)
+            self._used -= len(victim)
+            self._stats.evicted += 1
+        # One copy: the caller's payload may be reused as soon as put returns.
+        self._objects[sid] = enc.join()
+        self._used += enc.nbytes
+        return PutOutcome.WRITTEN
+
+    async def _remove(self, ids: list[str]) -> int:
+        n = 0
+        for sid in ids:
+            data = self._objects.pop(sid, None)
+            if data is not None:
+                self._used -= len(data)
+                n += 1
+        return n
+
+    async def _ping(self) -> None:
+        return None
+
+    async def _close(self) -> None:
+        self._objects.clear()
+        self._used = 0
