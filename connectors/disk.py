@@ -1,0 +1,424 @@
+"""Local-disk connector: one file per object, atomic publish, a byte budget, restart recovery.
+
+Layout: ``<root>/<namespace hex>/<2 hex shard>/<object hex>.kvb``. Storage ids are validated
+hex, so no name from a request can reach the file system.
+
+* **Atomic publish.** An object is written to ``.<name>.<pid>.<n>.tmp`` in its shard and then
+  renamed over the final name; with ``fsync=True`` the file is fsynced before the rename and
+  the directory after it. A killed process leaves at most a temp file, which the next start
+  deletes; a torn file after a power loss (``fsync=False``) fails its checksum on load.
+* **Budget.** Committed plus in-flight bytes never exceed ``capacity_bytes``: room is reserved
+  before a write starts, least-recently-used objects are evicted to make it, and their files
+  are unlinked before the new file is created.
+* **Recovery.** :meth:`DiskConnector.start` (run on first use) rebuilds the index by scanning
+  the tree, oldest modification first, and trims it to the budget.
+* **Failures stay local.** ENOSPC/EDQUOT become :class:`StorageFull`, EACCES/EPERM/EROFS
+  :class:`StoragePermissionError`, the temp file is removed and the index is unchanged.
+
+Blocking file I/O runs on a dedicated thread pool through ``aiofiles``; each object is one
+executor job (open, write, fsync, rename) so a 1 MiB store costs one thread hand-off, not four.
+A store whose caller times out or is cancelled still completes or cleans up in the background
+and keeps the index exact. One connector per directory: concurrent processes on the same root
+are not coordinated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+import os
+import re
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import aiofiles.os
+
+from connectors.base import (
+    BackendError,
+    BackendUnavailable,
+    Capabilities,
+    ConnectorError,
+    PutOutcome,
+    StorageFull,
+    StoragePermissionError,
+    StoreBase,
+)
+from connectors.keys import NS_HEX_LEN
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from typing_extensions import Buffer
+
+    from kvplugin.serde import EncodedBlock
+
+__all__ = ["DiskConnector"]
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+_NS_RE = re.compile(r"[0-9a-f]{32}")
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_FILE_RE = re.compile(r"[0-9a-f]{64}\.kvb")
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+class DiskConnector(StoreBase):
+    """Objects as files under ``root`` within ``capacity_bytes``."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        capacity_bytes: int,
+        fsync: bool = False,
+        io_threads: int = 4,
+        name: str = "disk",
+    ) -> None:
+        if type(capacity_bytes) is not int or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if type(io_threads) is not int or io_threads < 1:
+            raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
+        super().__init__(
+            name=name,
+            capabilities=Capabilities(
+                tier="disk", persistent=True, shared=False, max_object_bytes=capacity_bytes
+            ),
+        )
+        self.root = os.fspath(root)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvplugin-{name}")
+        self._index: OrderedDict[str, int] = OrderedDict()  # id -> size, LRU first
+        self._used = 0  # bytes of committed objects
+        self._reserved = 0  # bytes of writes in flight
+        self._pending: dict[str, asyncio.Task[PutOutcome]] = {}
+        self._started: asyncio.Task[None] | None = None
+        self._tmp_names = itertools.count()
+
+    # lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Scan the directory and rebuild the index (idempotent; also done on first use)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._scan())
+        # Shielded: a caller's deadline must not abandon the scan half way.
+        await asyncio.shield(self._started)
+
+    async def _scan(self) -> None:
+        try:
+            found, temps = await _scan_async(self.root, executor=self._executor)
+        except OSError as exc:
+            self._started = None  # let a later call retry
+            raise _os_error(exc, f"scanning {self.root}") from exc
+        for sid, size in found:
+            self._index[sid] = size
+            self._used += size
+        victims = self._evict_until(0)
+        if victims:
+            await self._unlink(victims)
+        logger.info(
+            "%s: %d objects (%d bytes) recovered from %s; %d temp files removed, %d evicted",
+            self.name,
+            len(self._index),
+            self._used,
+            self.root,
+            temps,
+            len(victims),
+        )
+
+    async def _close(self) -> None:
+        pending = list(self._pending.values())
+        if pending:  # in-flight writes finish so no temp file or index entry is lost
+            await asyncio.gather(*pending, return_exceptions=True)
+        self._executor.shutdown(wait=False)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path_for(self, sid: str) -> str:
+        """The final file path of a storage id."""
+        return os.path.join(
+            self.root, sid[:NS_HEX_LEN], sid[NS_HEX_LEN : NS_HEX_LEN + 2], sid[NS_HEX_LEN:] + SUFFIX
+        )
+
+    # primitives -----------------------------------------------------------------------------
+
+    async def _prefix_present(self, ids: list[str]) -> int:
+        await self.start()
+        n = 0
+        for sid in ids:
+            if sid not in self._index:
+                break
+            n += 1
+        return n
+
+    async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
+        await self.start()
+        wanted = [i for i, sid in enumerate(ids) if sid in self._index]
+        for i in wanted:
+            self._index.move_to_end(ids[i])
+        results = await asyncio.gather(
+            *(_read_async(self.path_for(ids[i]), executor=self._executor) for i in wanted),
+            return_exceptions=True,
+        )
+        out: list[Buffer | None] = [None] * len(ids)
+        for i, res in zip(wanted, results, strict=True):
+            if isinstance(res, BaseException):
+                self._read_failed(ids[i], res)
+            elif res is None:  # deleted behind our back
+                self._forget(ids[i])
+            else:
+                out[i] = res
+        return out
+
+    def _read_failed(self, sid: str, exc: BaseException) -> None:
+        """One unreadable file is one miss, not a failed batch."""
+        if not isinstance(exc, OSError):
+            raise exc
+        self._stats.errors += 1
+        logger.warning("%s: reading %s failed: %s", self.name, sid, exc)
+
+    async def _store(
+        self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
+    ) -> list[PutOutcome]:
+        await self.start()
+        results = await asyncio.gather(
+            *(self._store_one(sid, enc, overwrite) for sid, enc in items), return_exceptions=True
+        )
+        outcomes: list[PutOutcome] = []
+        error: BaseException | None = None
+        for res in results:
+            if isinstance(res, BaseException):
+                error = error or res
+            else:
+                outcomes.append(res)
+        if error is not None:
+            raise error
+        return outcomes
+
+    async def _store_one(self, sid: str, enc: EncodedBlock, overwrite: bool) -> PutOutcome:
+        pending = self._pending.get(sid)
+        if pending is not None:
+            if not overwrite:
+                return await asyncio.shield(pending)
+            await asyncio.wait([pending])
+        if sid in self._index:
+            if not overwrite:
+                self._index.move_to_end(sid)
+                return PutOutcome.EXISTS
+            self._forget(sid)  # the rename replaces the file
+        size = enc.nbytes
+        if size > self.capacity_bytes:
+            return PutOutcome.REJECTED
+        while size + self._reserved > self.capacity_bytes:
+            # The budget is held by writes in flight: wait for one instead of overshooting.
+            await asyncio.wait(list(self._pending.values()), return_when=asyncio.FIRST_COMPLETED)
+        if sid in self._index and not overwrite:
+            return PutOutcome.EXISTS  # written by a concurrent put while we waited
+        victims = self._evict_until(size)
+        self._reserved += size
+        task = asyncio.ensure_future(self._commit(sid, enc, size, victims))
+        self._pending[sid] = task
+        # Shielded: a cancelled caller leaves the write to finish (or clean up) on its own.
+        return await asyncio.shield(task)
+
+    async def _commit(
+        self, sid: str, enc: EncodedBlock, size: int, victims: list[str]
+    ) -> PutOutcome:
+        path = self.path_for(sid)
+        tmp = os.path.join(
+            os.path.dirname(path), f".{sid[NS_HEX_LEN:]}.{os.getpid()}.{next(self._tmp_names)}.tmp"
+        )
+        try:
+            await _write_async(
+                path,
+                tmp,
+                enc.parts,
+                self.fsync,
+                [self.path_for(v) for v in victims],
+                executor=self._executor,
+            )
+        except OSError as exc:
+            raise _os_error(exc, f"writing {path}") from exc
+        finally:
+            self._reserved -= size
+            if self._pending.get(sid) is asyncio.current_task():
+                del self._pending[sid]
+        self._forget(sid)  # an overwrite replaced the file
+        self._index[sid] = size
+        self._used += size
+        return PutOutcome.WRITTEN
+
+    async def _remove(self, ids: list[str]) -> int:
+        await self.start()
+        pending = [self._pending[sid] for sid in ids if sid in self._pending]
+        if pending:
+            await asyncio.wait(pending)
+        for sid in ids:
+            self._forget(sid)
+        return await self._unlink(ids)
+
+    async def _ping(self) -> None:
+        await self.start()
+        try:
+            ok = await _writable_async(self.root, executor=self._executor)
+        except OSError as exc:
+            raise _os_error(exc, f"checking {self.root}") from exc
+        if not ok:
+            raise BackendUnavailable(f"{self.root} is not a writable directory")
+
+    # index helpers --------------------------------------------------------------------------
+
+    def _forget(self, sid: str) -> None:
+        size = self._index.pop(sid, None)
+        if size is not None:
+            self._used -= size
+
+    def _evict_until(self, incoming: int) -> list[str]:
+        """Pop LRU objects until ``incoming`` more bytes fit; the caller unlinks them."""
+        victims = []
+        while self._index and self._used + self._reserved + incoming > self.capacity_bytes:
+            sid, size = self._index.popitem(last=False)
+            self._used -= size
+            victims.append(sid)
+        self._stats.evicted += len(victims)
+        return victims
+
+    async def _unlink(self, ids: Sequence[str]) -> int:
+        try:
+            return await _unlink_async([self.path_for(s) for s in ids], executor=self._executor)
+        except OSError as exc:
+            raise _os_error(exc, "deleting objects") from exc
+
+
+def _os_error(exc: OSError, what: str) -> ConnectorError:
+    if exc.errno in _FULL:
+        return StorageFull(f"{what}: disk full ({exc.strerror})")
+    if exc.errno in _DENIED:
+        return StoragePermissionError(f"{what}: permission denied ({exc.strerror})")
+    return BackendError(f"{what}: {exc}")
+
+
+# --- blocking helpers (run on the connector's executor) ------------------------------------
+
+
+def _write_object(
+    path: str, tmp: str, parts: Sequence[Buffer], fsync: bool, victims: Sequence[str]
+) -> None:
+    _unlink_all(victims)  # make room first: the budget holds on disk, not only in the index
+    directory = os.path.dirname(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(tmp, flags, 0o644)
+    try:
+        try:
+            _write_all(fd, parts)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_all([tmp])
+        raise
+    if fsync:
+        _fsync_dir(directory)
+
+
+def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        n = os.writev(fd, views)
+        while n:
+            if n >= views[0].nbytes:
+                n -= views.pop(0).nbytes
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str) -> bytearray | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:  # shrank under us: hand back what is there, the checksum decides
+                del view
+                del buf[got:]
+                break
+            got += n
+        return buf
+    finally:
+        os.close(fd)
+
+
+def _unlink_all(paths: Sequence[str]) -> int:
+    n = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _writable(root: str) -> bool:
+    return os.path.isdir(root) and os.access(root, os.W_OK | os.X_OK)
+
+
+def _scan(root: str) -> tuple[list[tuple[str, int]], int]:
+    """Committed objects under ``root`` (oldest first) and the number of temp files removed."""
+    os.makedirs(root, exist_ok=True)
+    found: list[tuple[int, str, int]] = []
+    temps = 0
+    for ns in _subdirs(root, _NS_RE):
+        for shard in _subdirs(ns.path, _SHARD_RE):
+            with os.scandir(shard.path) as it:
+                for entry in it:
+                    if entry.name.endswith(".tmp"):
+                        temps += _unlink_all([entry.path])
+                    elif _FILE_RE.fullmatch(entry.name) and entry.name[:2] == shard.name:
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((st.st_mtime_ns, ns.name + entry.name[:64], st.st_size))
+    found.sort()
+    return [(sid, size) for _, sid, size in found], temps
+
+
+def _subdirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
+    with os.scandir(path) as it:
+        return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+_write_async = aiofiles.os.wrap(_write_object)
+_read_async = aiofiles.os.wrap(_read_file)
+_unlink_async = aiofiles.os.wrap(_unlink_all)
+_writable_async = aiofiles.os.wrap(_writable)
+_scan_async = aiofiles.os.wrap(_scan)
