@@ -1,0 +1,273 @@
+"""Redis connector: one self-describing value per object, written atomically.
+
+* **Atomic publish.** An object is one value (envelope + Arrow IPC + checksums) written with
+  ``SET key value NX [EX ttl]``: readers see the whole object or nothing, and there is no
+  second "metadata" key to disagree with the payload (LMCache's two-key race).
+* **Batching.** Prefix lookups pipeline ``EXISTS`` (stopping at the first missing batch),
+  loads use ``MGET``, stores pipeline their ``SET``\\ s; all through one
+  ``BlockingConnectionPool`` so concurrency is bounded and waits are bounded too.
+* **Failure handling.** Connection errors and socket timeouts are retried with exponential
+  backoff and jitter, inside the call's deadline. ``breaker_threshold`` consecutive failed
+  calls open a circuit breaker: calls then fail fast (reads as misses) until one half-open
+  probe succeeds after ``breaker_cooldown``. A restarted server is picked up by the pool's
+  reconnects, so the connector never has to be recreated.
+
+Capacity is the server's business (``maxmemory`` with an LRU policy, plus the optional TTL).
+Keys are ``<prefix><96 hex>``; the prefix is validated, the rest is derived hex.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from connectors.base import (
+    BackendError,
+    BackendUnavailable,
+    Capabilities,
+    CircuitBreaker,
+    CircuitOpen,
+    ConnectorError,
+    PutOutcome,
+    StorageFull,
+    StoragePermissionError,
+    StoreBase,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from kvplugin.serde import EncodedBlock
+
+__all__ = ["RedisConnector", "RedisOptions"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
+# Errors worth another attempt: the connection broke or the server did not answer in time.
+# BusyLoadingError (a ConnectionError) is a restarting server loading its data set.
+_TRANSIENT = (rexc.ConnectionError, rexc.TimeoutError, OSError)
+_DENIED = (rexc.AuthenticationError, rexc.AuthorizationError, rexc.NoPermissionError)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """Connection, batching and failure-handling settings (times in seconds)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "kvp:"
+    ttl_seconds: int | None = None
+    max_connections: int = 16
+    socket_timeout: float = 1.0
+    connect_timeout: float = 0.5
+    retries: int = 2
+    backoff_base: float = 0.01
+    backoff_cap: float = 0.25
+    breaker_threshold: int = 5
+    breaker_cooldown: float = 1.0
+    lookup_batch: int = 64
+    get_batch: int = 32
+
+    def __post_init__(self) -> None:
+        if _PREFIX_RE.fullmatch(self.prefix) is None:
+            raise ValueError(f"invalid key prefix {self.prefix!r}: must match {_PREFIX_RE.pattern}")
+        if self.ttl_seconds is not None and (
+            type(self.ttl_seconds) is not int or self.ttl_seconds <= 0
+        ):
+            raise ValueError(f"ttl_seconds must be None or a positive int: {self.ttl_seconds!r}")
+        for name in ("max_connections", "breaker_threshold", "lookup_batch", "get_batch"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int")
+        if type(self.retries) is not int or self.retries < 0:
+            raise ValueError("retries must be a non-negative int")
+        for name in ("socket_timeout", "connect_timeout", "backoff_base", "backoff_cap"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if not self.breaker_cooldown >= 0:
+            raise ValueError("breaker_cooldown must be >= 0")
+
+
+class RedisConnector(StoreBase):
+    """Objects as Redis string values under ``<prefix><storage id>``."""
+
+    def __init__(
+        self,
+        options: RedisOptions | None = None,
+        *,
+        name: str = "redis",
+        rng: random.Random | None = None,
+    ) -> None:
+        opts = options or RedisOptions()
+        super().__init__(
+            name=name,
+            capabilities=Capabilities(
+                tier="remote", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
+            ),
+        )
+        self.options = opts
+        self._prefix = opts.prefix.encode()
+        self._rng = rng or random.Random()  # jitter only; never the global random state
+        self._breaker = CircuitBreaker(opts.breaker_threshold, opts.breaker_cooldown)
+        self._pool = aioredis.BlockingConnectionPool.from_url(
+            opts.url,
+            max_connections=opts.max_connections,
+            timeout=opts.socket_timeout,
+            socket_timeout=opts.socket_timeout,
+            socket_connect_timeout=opts.connect_timeout,
+            retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by the call's deadline
+        )
+        self._client = aioredis.Redis(connection_pool=self._pool)
+
+    @property
+    def breaker_state(self) -> str:
+        return self._breaker.state
+
+    def redis_key(self, sid: str) -> bytes:
+        return self._prefix + sid.encode()
+
+    # primitives -----------------------------------------------------------------------------
+
+    async def _prefix_present(self, ids: list[str]) -> int:
+        n = 0
+        for batch in _batches(ids, self.options.lookup_batch):
+            keys = [self.redis_key(s) for s in batch]
+            found = await self._call("lookup", lambda r, keys=keys: _exists_each(r, keys))
+            for present in found:
+                if not present:
+                    return n
+                n += 1
+        return n
+
+    async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
+        out: list[Buffer | None] = []
+        for batch in _batches(ids, self.options.get_batch):
+            keys = [self.redis_key(s) for s in batch]
+            out.extend(await self._call("get", lambda r, keys=keys: r.mget(keys)))
+        return out
+
+    async def _store(
+        self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
+    ) -> list[PutOutcome]:
+        commands = [
+            _pack_set(self.redis_key(sid), enc, nx=not overwrite, ttl=self.options.ttl_seconds)
+            for sid, enc in items
+        ]
+        replies = await self._call("put", lambda r: self._pipeline_raw(commands))
+        # SET NX answers nil when the key exists: content-addressed, so it is the same object.
+        return [PutOutcome.EXISTS if reply is None else PutOutcome.WRITTEN for reply in replies]
+
+    async def _pipeline_raw(self, commands: list[list[Buffer]]) -> list[object]:
+        """Send pre-packed commands on one pooled connection and read one reply each.
+
+        redis-py's ``set()`` needs the value as one buffer, i.e. a 1 MiB copy of every
+        object; packing the RESP bulk string ourselves sends the encoder's pieces as they are.
+        """
+        conn = await self._pool.get_connection()
+        try:
+            await conn.send_packed_command([c for cmd in commands for c in cmd])
+            return [await conn.read_response() for _ in commands]
+        except BaseException:
+            # Replies may be left unread (an error reply, a cancellation): never reuse it.
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            await self._pool.release(conn)
+
+    async def _remove(self, ids: list[str]) -> int:
+        keys = [self.redis_key(s) for s in ids]
+        return int(await self._call("delete", lambda r: r.unlink(*keys)))
+
+    async def _ping(self) -> None:
+        await self._call("ping", lambda r: r.ping())
+
+    async def _close(self) -> None:
+        await self._client.aclose()
+        await self._pool.aclose()
+
+    def _on_deadline(self) -> None:
+        # A call cut by its deadline is a slow backend: count it towards opening the breaker.
+        self._breaker.failure()
+
+    # retry and breaker ------------------------------------------------------------------------
+
+    async def _call(self, op: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+        if not self._breaker.acquire():
+            raise CircuitOpen(f"{self.name} {op}: circuit open after repeated failures")
+        settled = False
+        try:
+            attempt = 0
+            while True:
+                try:
+                    result = await fn(self._client)
+                except _DENIED as exc:
+                    settled = True
+                    self._breaker.success()  # the server answered
+                    raise StoragePermissionError(f"{self.name} {op}: {exc}") from exc
+                except _TRANSIENT as exc:
+                    if attempt >= self.options.retries:
+                        settled = True
+                        self._breaker.failure()
+                        raise BackendUnavailable(f"{self.name} {op}: {exc}") from exc
+                    attempt += 1
+                    logger.debug("%s %s: attempt %d failed: %s", self.name, op, attempt, exc)
+                    await asyncio.sleep(self._backoff(attempt))
+                except rexc.RedisError as exc:
+                    settled = True
+                    self._breaker.success()
+                    raise _reply_error(self.name, op, exc) from exc
+                else:
+                    settled = True
+                    self._breaker.success()
+                    return result
+        finally:
+            if not settled:  # cancelled or cut by the deadline mid-call
+                self._breaker.release()
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with "equal jitter": half fixed, half random."""
+        cap = min(self.options.backoff_cap, self.options.backoff_base * 2 ** (attempt - 1))
+        return cap / 2 + self._rng.uniform(0, cap / 2)
+
+
+def _reply_error(name: str, op: str, exc: rexc.RedisError) -> ConnectorError:
+    if isinstance(exc, rexc.OutOfMemoryError):
+        return StorageFull(f"{name} {op}: server out of memory ({exc})")
+    if isinstance(exc, rexc.ReadOnlyError):
+        return StoragePermissionError(f"{name} {op}: server is read-only ({exc})")
+    return BackendError(f"{name} {op}: {exc}")
+
+
+async def _exists_each(r: aioredis.Redis, keys: list[bytes]) -> list[int]:
+    async with r.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.exists(key)
+        return await pipe.execute()
+
+
+def _pack_set(key: bytes, enc: EncodedBlock, *, nx: bool, ttl: int | None) -> list[Buffer]:
+    """``SET key <value> [NX] [EX ttl]`` in RESP, the value being the object's parts."""
+    options = [b"NX"] if nx else []
+    if ttl is not None:
+        options += [b"EX", str(ttl).encode()]
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+        3 + len(options),
+        len(key),
+        key,
+        enc.nbytes,
+    )
+    tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(o), o) for o in options)
+    return [head, *enc.parts, tail]
+
+
+def _batches(ids: Sequence[str], size: int) -> list[Sequence[str]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
