@@ -439,9 +439,11 @@ class MambaManager(SingleTypeKVCacheManager):
             if self._align:
                 # Offer every committed boundary with its exact block: the table is not
                 # positionally stable, so a connector cannot find it by index.
+                boundary = blk.block_hash_num_tokens
+                if boundary is None:
+                    raise AssertionError(f"cached block {blk.block_id} has no token count")
                 self._pending_boundary_state_offloads.append(
-                    (rid, self.kv_cache_group_id, blk,
-                     blk.block_hash_num_tokens))  # type: ignore[arg-type]
+                    (rid, self.kv_cache_group_id, blk, boundary))
 
     def block_mask(self, request: Request, start_block: int, end_block: int,
                    retention_interval: int | None,
