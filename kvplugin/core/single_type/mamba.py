@@ -60,6 +60,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.has_prefill_checkpoint_blocks = (
             self._align and kv_cache_spec.num_prefill_checkpoint_blocks > 0)
         self.prefill_checkpoint_alignment = kv_cache_spec.prefill_checkpoint_alignment
+        self._hbs = self.block_pool.hash_block_size
         # Set by the coordinator under EAGLE: checkpoints follow its replay boundary.
         self.drop_eagle_checkpoint_block = False
         # Keys registered during the current scheduling pass: their states are written
@@ -178,7 +179,7 @@ class MambaManager(SingleTypeKVCacheManager):
         # would shift the state slots off the chunk boundaries.
         num_tokens = num_tokens_main_model
         table = self.req_to_blocks.get(request_id)
-        num_new = (cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
+        num_new = (-(num_tokens // -self.block_size) + self.num_speculative_blocks
                    - len(new_computed_blocks) - (len(table) if table else 0))
         partial = ((len(new_computed_blocks) > 0
                     and num_local_computed_tokens % self.block_size != 0)
@@ -243,7 +244,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 num_tokens_main_model)
         table = self.req_to_blocks[request_id]
         num_spec = self.num_speculative_blocks
-        required = cdiv(num_tokens_main_model, self.block_size) + num_spec
+        required = -(num_tokens_main_model // -self.block_size) + num_spec
         checkpoint = int(request_id in self._checkpoints)
         partial = self._partial_hit_reqs.get(request_id)
         prev_len = len(table)
@@ -363,16 +364,17 @@ class MambaManager(SingleTypeKVCacheManager):
         # Every state slot before the last processed token's is dead; most steps retire
         # nothing new, so check the watermark before walking.
         blocks = self.req_to_blocks.get(request_id)
-        if blocks is not None and processed_computed_tokens > 1:
-            last = min((processed_computed_tokens - 1) // self.block_size, len(blocks))
+        if blocks is None:
+            return
+        bs = self.block_size
+        if processed_computed_tokens > 1:
+            last = min((processed_computed_tokens - 1) // bs, len(blocks))
             if last > self._num_retired_blocks.get(request_id, 0):
                 self._remove_blocks_in_range(request_id, 0, last)
         # The previous step's source state may sit above the watermark (prefill tables
         # are not contiguous); release it once a newer state is committed.
         last_state = self.last_state_block_idx.get(request_id)
-        if last_state is not None and last_state < cdiv(processed_computed_tokens,
-                                                         self.block_size) - 1:
-            blocks = self.req_to_blocks[request_id]
+        if last_state is not None and last_state < -(processed_computed_tokens // -bs) - 1:
             blk = blocks[last_state]
             if not blk.is_null:
                 self.block_pool.free_blocks((blk,))
@@ -416,14 +418,15 @@ class MambaManager(SingleTypeKVCacheManager):
                      replay_boundaries: Sequence[int]) -> None:
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
-        hashed = len(request.block_hashes) * self.block_pool.hash_block_size
-        if min(num_tokens, hashed) // self.block_size > before:
+        hbs = self._hbs
+        if min(num_tokens, len(request.block_hashes) * hbs) // self.block_size > before:
             super().cache_blocks(request, num_tokens, retention_interval,
                                  replay_boundaries=replay_boundaries)
             after = self.num_cached_block.get(rid, 0)
         else:
             after = before  # no new full slot (the base class would return at once)
-        if self._align:
+        # A partial tail sits on a hash boundary (or at a planned checkpoint).
+        if self._align and (self._checkpoints or (num_tokens > 0 and num_tokens % hbs == 0)):
             key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(key)
@@ -462,7 +465,7 @@ class MambaManager(SingleTypeKVCacheManager):
             checkpoint = self._checkpoints.get(request.request_id)
             if checkpoint is not None:
                 return self._cache_checkpoint(request, checkpoint, retention_interval)
-        hbs = self.block_pool.hash_block_size
+        hbs = self._hbs
         if num_tokens <= 0 or num_tokens % hbs:
             return None
         prompt_boundary = prefill_checkpoint_position(
