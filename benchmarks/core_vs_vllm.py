@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
 """Replay throughput of kvplugin's core against vLLM 0.33.0's own KVCacheManager.
 
-Both sides replay the same trace with the same driver semantics (``--bench``: op dispatch
-plus manager calls, no result construction), in alternating rounds so that machine noise
-hits both alike; the ratio of medians is printed per trace, and the last line is a JSON
-object ``{"<trace stem>": ratio, ...}``.
+Both sides replay the same trace through their replay drivers (kvplugin's
+``kvplugin.replay.Replayer`` and the conformance reference's ``Oracle``: op dispatch plus
+manager calls, no result construction), timing only the replay loop on fresh managers, in
+alternating rounds so machine noise hits both alike.  Per trace it prints the median
+ops/sec of each side and their ratio; the last line is a JSON object
+``{"<trace stem>": ratio, ...}``.
 
-    python benchmarks/core_vs_vllm.py ../shared/conformance/bench/full_10k.json --rounds 5
+    python benchmarks/core_vs_vllm.py                       # the three bench/ traces
+    python benchmarks/core_vs_vllm.py T.json --rounds 5 --clock cpu
 
-vLLM runs in the side virtualenv built by ``../shared/conformance/reference/setup-reference.sh``
-(``$VENV``, default ``~/.cache/kvplugin-vllm-reference``); it is never a kvplugin dependency.
-Without that venv only kvplugin's figures are printed.
+``--clock wall`` (default) times with ``perf_counter``, as ``kvplugin replay --bench`` and
+the reference's ``--bench`` do; ``--clock cpu`` uses ``process_time``, which other processes
+on a shared machine disturb far less.  vLLM runs in the side virtualenv built by
+``../shared/conformance/reference/setup-reference.sh`` (``$VENV``, default
+``~/.cache/kvplugin-vllm-reference``); it is never a kvplugin dependency.  Without that venv
+only kvplugin's figures are printed.
 """
 
 from __future__ import annotations
@@ -25,32 +31,50 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("KVPLUGIN_SHARED_DIR", REPO.parent / "shared"))
-REFERENCE = SHARED / "conformance" / "reference" / "vllm_reference.py"
+REFERENCE_DIR = SHARED / "conformance" / "reference"
 VENV = Path(os.environ.get("VENV", Path.home() / ".cache" / "kvplugin-vllm-reference"))
 
+# Run under each interpreter: the same loop, only the replay driver differs.
+DRIVER = r"""
+import json, logging, sys, time
+side, trace_path, repeats, clock, ref_dir = sys.argv[1:6]
+if side == "vllm":
+    sys.path.insert(0, ref_dir)
+    import vllm_reference as ref
+    make = ref.Oracle
+else:
+    from kvplugin.replay import Replayer as make
+logging.disable(logging.WARNING)
+trace = json.load(open(trace_path))
+ops = trace["ops"]
+clk = time.process_time if clock == "cpu" else time.perf_counter
+runs = []
+for _ in range(int(repeats)):
+    apply = make(trace.get("config", {})).apply
+    t0 = clk()
+    for op in ops:
+        apply(op, False)
+    runs.append(clk() - t0)
+print(json.dumps({"ops_per_sec": len(ops) * len(runs) / sum(runs)}))
+"""
 
-def _ops_per_sec(cmd: list[str]) -> float:
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return float(json.loads(out.strip().splitlines()[-1])["ops_per_sec"])
+
+def _ops_per_sec(python: str, side: str, trace: Path, repeats: int, clock: str) -> float:
+    out = subprocess.run([python, "-c", DRIVER, side, str(trace), str(repeats), clock,
+                          str(REFERENCE_DIR)], check=True, capture_output=True, text=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["ops_per_sec"])
 
 
-def measure(trace: Path, rounds: int, repeats: int) -> dict[str, float | None]:
-    ours_cmd = [sys.executable, "-m", "kvplugin.cli", "replay", str(trace),
-                "--bench", str(repeats)]
+def measure(trace: Path, rounds: int, repeats: int, clock: str) -> tuple[float, float | None]:
     vllm_py = VENV / "bin" / "python"
-    vllm_cmd = [str(vllm_py), str(REFERENCE), str(trace), "--bench", str(repeats)]
-    have_vllm = vllm_py.exists() and REFERENCE.exists()
+    have_vllm = vllm_py.exists() and (REFERENCE_DIR / "vllm_reference.py").exists()
     ours: list[float] = []
     theirs: list[float] = []
     for _ in range(rounds):
-        ours.append(_ops_per_sec(ours_cmd))
+        ours.append(_ops_per_sec(sys.executable, "kvplugin", trace, repeats, clock))
         if have_vllm:
-            theirs.append(_ops_per_sec(vllm_cmd))
-    res: dict[str, float | None] = {"kvplugin_ops_per_sec": statistics.median(ours)}
-    res["vllm_ops_per_sec"] = statistics.median(theirs) if theirs else None
-    res["ratio"] = (res["kvplugin_ops_per_sec"] / res["vllm_ops_per_sec"]  # type: ignore[operator]
-                    if theirs else None)
-    return res
+            theirs.append(_ops_per_sec(str(vllm_py), "vllm", trace, repeats, clock))
+    return statistics.median(ours), (statistics.median(theirs) if theirs else None)
 
 
 def main() -> int:
@@ -60,17 +84,18 @@ def main() -> int:
     ap.add_argument("traces", nargs="*", default=default)
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (median)")
     ap.add_argument("--repeats", type=int, default=3, help="replays per process")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
     summary: dict[str, float | None] = {}
     for t in args.traces:
         path = Path(t)
-        r = measure(path, args.rounds, args.repeats)
-        vllm, ratio = r["vllm_ops_per_sec"], r["ratio"]
+        ours, vllm = measure(path, args.rounds, args.repeats, args.clock)
+        ratio = None if vllm is None else ours / vllm
         vllm_s = "n/a" if vllm is None else f"{vllm:.0f}"
         ratio_s = "n/a" if ratio is None else f"{ratio:.2f}"
-        print(f"{path.stem}: kvplugin {r['kvplugin_ops_per_sec']:.0f} ops/s, "
-              f"vLLM {vllm_s} ops/s, ratio {ratio_s}")
-        summary[path.stem] = None if r["ratio"] is None else round(r["ratio"], 3)
+        print(f"{path.stem}: kvplugin {ours:.0f} ops/s, vLLM {vllm_s} ops/s, "
+              f"ratio {ratio_s} ({args.clock} clock, median of {args.rounds})")
+        summary[path.stem] = None if ratio is None else round(ratio, 3)
     print(json.dumps(summary))
     return 0
 
