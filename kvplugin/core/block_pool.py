@@ -39,65 +39,72 @@ logger = logging.getLogger(__name__)
 
 
 class BlockHashToBlockMap:
-    """Key → one block, or ``{block_id: block}`` when identical content was computed twice.
+    """Key → the blocks cached under it, first inserted first.
 
     The pool never de-duplicates (block tables stay append-only), so several blocks may
-    share a key; lookups return the first inserted one.  The union keeps the common
-    single-block case free of an inner dict.
+    share a key; lookups return the first inserted one.  That block lives in a plain dict
+    whose bound ``get`` *is* :meth:`get_one_block` (a C call on the lookup hot path); later
+    duplicates wait in ``_extra`` in insertion order and the oldest is promoted when the
+    current one leaves.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "_extra", "get_one_block")
 
     def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-
-    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        if blocks is None or isinstance(blocks, KVCacheBlock):
-            return blocks
-        return next(iter(blocks.values()))
+        self._cache: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        self._extra: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+        self.get_one_block: Callable[[BlockHashWithGroupId], KVCacheBlock | None] = \
+            self._cache.get
 
     def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
-        blocks = self._cache.get(key)
-        if blocks is None:
+        first = self._cache.get(key)
+        if first is None:
             return False
-        if isinstance(blocks, KVCacheBlock):
-            return blocks.block_id == block_id
-        return block_id in blocks
+        if first.block_id == block_id:
+            return True
+        extra = self._extra.get(key)
+        return extra is not None and block_id in extra
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        blocks = self._cache.get(key)
-        if blocks is None:
+        first = self._cache.get(key)
+        if first is None:
             self._cache[key] = block
-        elif isinstance(blocks, KVCacheBlock):
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
-        else:
-            blocks[block.block_id] = block
+        elif first.block_id != block.block_id:
+            self._extra.setdefault(key, {})[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        blocks = self._cache.pop(key, None)
-        if blocks is None:
+        """Remove only ``block_id`` from ``key``; None when it is not cached there."""
+        first = self._cache.get(key)
+        if first is None:
             return None
-        if isinstance(blocks, KVCacheBlock):
-            if blocks.block_id == block_id:
-                return blocks
-            self._cache[key] = blocks  # another block's entry: put it back
+        extra = self._extra.get(key)
+        if first.block_id == block_id:
+            if extra:
+                oldest = next(iter(extra))
+                self._cache[key] = extra.pop(oldest)
+                if not extra:
+                    del self._extra[key]
+            else:
+                del self._cache[key]
+            return first
+        if extra is None:
             return None
-        block = blocks.pop(block_id, None)
-        if blocks:
-            self._cache[key] = blocks
+        block = extra.pop(block_id, None)
+        if not extra:
+            del self._extra[key]
         return block
+
+    def has_duplicates(self, key: BlockHashWithGroupId) -> bool:
+        return key in self._extra
 
     def keys(self) -> Iterable[BlockHashWithGroupId]:
         return self._cache.keys()
 
     def blocks_under(self, key: BlockHashWithGroupId) -> list[KVCacheBlock]:
-        blocks = self._cache.get(key)
-        if blocks is None:
+        first = self._cache.get(key)
+        if first is None:
             return []
-        if isinstance(blocks, KVCacheBlock):
-            return [blocks]
-        return list(blocks.values())
+        return [first, *self._extra.get(key, {}).values()]
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -320,13 +327,14 @@ class BlockPool:
         keys = [primary]
         if self.cached_block_hashes_by_block:
             keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
-        cache = self.cached_block_hash_to_block._cache
+        cmap = self.cached_block_hash_to_block
+        cache = cmap._cache
         removed = []
         for k in keys:
-            if cache.get(k) is block:
+            if cache.get(k) is block and k not in cmap._extra:
                 del cache[k]  # the common single-block entry
                 removed.append(k)
-            elif self.cached_block_hash_to_block.pop(k, block.block_id) is not None:
+            elif cmap.pop(k, block.block_id) is not None:
                 removed.append(k)
         block.block_hash = None
         block.block_hash_num_tokens = None

@@ -284,12 +284,39 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         m.use_eagle = self._drop
         check_lookup_layout(self, self.block_size)
         self._find = type(m).find_longest_cache_hit
+        self._m = m
+        # One manager: the fan-out loops are pure overhead on the per-step path.
+        self.remove_skipped_blocks = m.remove_skipped_blocks  # type: ignore[method-assign]
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[Hits, int, int]:
         blocks, hit = self._find(block_hashes, max_cache_hit_length, (0,), self.block_pool,
                                  self.kv_cache_spec, self._drop, self.block_size)
         return blocks, hit, 0
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]], num_encoder_tokens: int,
+        total_computed_tokens: int, num_local_computed_tokens: int, num_tokens_main_model: int,
+        apply_admission_cap: bool = False, prefill_end: int = 0,
+    ) -> int:
+        if self.retention_interval != 0:
+            prefill_end = 0
+        return self._m.get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks[0], total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                            num_encoder_tokens: int = 0) -> Hits:
+        return (self._m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model),)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if not self._needs_boundaries and self._m.enable_caching:
+            n = num_computed_tokens - self.num_reprefillable_tokens
+            self._m.cache_blocks(request, n if n > 0 else 0, self.retention_interval,
+                                 replay_boundaries=())
+        else:
+            super().cache_blocks(request, num_computed_tokens)
 
 
 class SpecGroup(NamedTuple):

@@ -302,7 +302,9 @@ def _cbor_uint_head(major: int, n: int) -> bytes:
 
 
 def _encode_token(t: int) -> bytes:
-    if t >= 0:
+    if 24 <= t < 0x10000:  # the common vocabulary range, without the generic helper
+        enc = b"\x18" + t.to_bytes(1, "big") if t < 0x100 else b"\x19" + t.to_bytes(2, "big")
+    elif t >= 0:
         enc = _cbor_uint_head(0, t)
     elif t >= -0x10000000000000000:
         enc = _cbor_uint_head(1, -1 - t)
