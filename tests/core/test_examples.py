@@ -940,3 +940,34 @@ def test_e29_in_flight_tokens_keep_their_window(in_flight: int, nulls: int,
     assert out is c.manager.empty_kv_cache_blocks
     assert c.table(r) == [0] * nulls + list(range(nulls + 1, 9))
     assert c.free_ids() == [*range(9, 20), *queue_tail]
+
+
+def test_e28_duplicates_are_served_first_inserted_first() -> None:
+    """Three blocks under one key (requests that skip reading the cache recompute it); the
+    oldest remaining registration serves lookups, a re-registered block queues last.
+    (Same sequence on vLLM 0.33.0: 1, 1, 3, 3, 1.)"""
+    c = Core(num_blocks=20)
+    p = blk(4)
+    for rid, block in (("x", 1), ("y", 2), ("z", 3)):
+        r = c.request(rid, p, skip_reading_prefix_cache=True)
+        assert new(c.manager.allocate_slots(r, 16)) == [[block]]
+    key_hash = c.requests["x"].block_hashes[0]
+    assert c.blocks_under(key_hash) == [1, 2, 3]
+    probe = c.request("probe", [*p, 1])
+
+    def served() -> list[list[int]]:
+        return [ids(g) for g in c.lookup(probe)[0].blocks]
+
+    assert served() == [[1]]
+    c.manager.evict_blocks({2})
+    assert served() == [[1]] and c.blocks_under(key_hash) == [1, 3]
+    c.manager.evict_blocks({1})
+    assert served() == [[3]]
+    c.manager.free(c.requests["x"])  # block 1 (no longer hashed) goes to the head
+    assert c.free_ids()[:3] == [1, 4, 5]
+    w = c.request("w", p, skip_reading_prefix_cache=True)
+    assert new(c.manager.allocate_slots(w, 16)) == [[1]]
+    assert c.blocks_under(key_hash) == [3, 1] and served() == [[3]]
+    c.manager.evict_blocks({3})
+    assert served() == [[1]]
+    check_invariants(c.manager, [c.requests[r] for r in ("y", "z", "w")])
