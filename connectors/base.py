@@ -59,12 +59,14 @@ __all__ = [
     "check_items",
     "check_keys",
     "check_timeout",
-    "encode_for",
+    "decode_or_error",
+    "encode_once",
 ]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PutItem = tuple[ObjectKey, Block]
+Loaded = Block | BlockFormatError | None  # what a store read: verified, damaged, or absent
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ class ConnectorStats:
     dropped: int = 0  # puts reported stored but deliberately not written (fault injection)
     deleted: int = 0  # objects removed by delete()
     evicted: int = 0  # objects removed to respect a budget
-    bytes_in: int = 0  # bytes read from the backend
+    bytes_in: int = 0  # bytes of verified objects read from the backend
     bytes_out: int = 0  # bytes written to the backend
 
     def copy(self) -> ConnectorStats:
@@ -229,29 +231,33 @@ class CircuitBreaker:
         self.probing = False
 
 
-def encode_for(key: ObjectKey, block: Block) -> EncodedBlock:
-    """The bytes to store for ``block`` under ``key`` (validate with :func:`check_items`)."""
+def encode_once(block: Block) -> EncodedBlock:
+    """The bytes to store for ``block``, encoded at most once."""
     if block.encoded is not None:
-        return block.encoded  # already verified bytes (a block read from another tier)
+        return block.encoded  # verified bytes read from another tier: no re-encoding
     return serde.encode(block.meta, block.payload)
 
 
 def check_keys(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
     """Validate a batch of keys before any I/O (misuse must not look like a miss)."""
-    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
-        raise TypeError(f"keys must be a sequence of ObjectKey, got {type(keys).__name__}")
+    if type(keys) is not list:  # the hot path passes lists; anything else is checked first
+        if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+            raise TypeError(f"keys must be a sequence of ObjectKey, got {type(keys).__name__}")
+        keys = list(keys)
     for key in keys:
-        if not isinstance(key, ObjectKey):
+        if type(key) is not ObjectKey and not isinstance(key, ObjectKey):
             raise TypeError(f"keys must be ObjectKey, got {type(key).__name__}")
-    return list(keys)
+    return keys
 
 
 def check_items(items: Sequence[PutItem]) -> list[PutItem]:
     """Validate a batch of (key, block) pairs before any I/O."""
-    if not isinstance(items, Sequence):
-        raise TypeError(
-            f"items must be a sequence of (ObjectKey, Block), got {type(items).__name__}"
-        )
+    if type(items) is not list:
+        if not isinstance(items, Sequence):
+            raise TypeError(
+                f"items must be a sequence of (ObjectKey, Block), got {type(items).__name__}"
+            )
+        items = list(items)
     for key, block in items:
         if not isinstance(key, ObjectKey):
             raise TypeError(f"keys must be ObjectKey, got {type(key).__name__}")
@@ -261,7 +267,15 @@ def check_items(items: Sequence[PutItem]) -> list[PutItem]:
             raise ValueError(
                 f"block metadata does not belong to key {key.id} (build it with key.meta)"
             )
-    return list(items)
+    return items
+
+
+def decode_or_error(raw: Buffer, key_id: str) -> Block | BlockFormatError:
+    """Decode and verify; a damaged object is returned as its error, not raised."""
+    try:
+        return serde.decode(raw, key=key_id)
+    except BlockFormatError as exc:
+        return exc
 
 
 def _ids(keys: Sequence[ObjectKey]) -> list[str]:
@@ -393,6 +407,13 @@ class StoreBase(Guarded, Connector):
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
         """The stored bytes (unverified) or ``None`` per id."""
 
+    async def _load(self, keys: list[ObjectKey]) -> list[Loaded]:
+        """Fetch and decode. A store may override it to decode where the bytes land
+        (the disk store verifies on its I/O thread, next to the read)."""
+        raws = await self._fetch([k.id for k in keys])
+        pairs = zip(keys, raws, strict=True)
+        return [None if raw is None else decode_or_error(raw, k.id) for k, raw in pairs]
+
     @abc.abstractmethod
     async def _store(
         self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
@@ -426,38 +447,33 @@ class StoreBase(Guarded, Connector):
 
     async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
         self._check_open()
-        ids = _ids(keys)
+        keys = check_keys(keys)
         timeout = check_timeout(timeout)
-        deadline = Deadline.after(timeout)
-        if not ids:
+        deadline = Deadline(time.monotonic() + timeout)
+        if not keys:
             return []
-        raws = await self._read("get", self._fetch(ids), timeout, [None] * len(ids))
-        out: list[Block | None] = []
+        loaded = await self._read("get", self._load(keys), timeout, [None] * len(keys))
         corrupt: list[str] = []
-        for key, raw in zip(keys, raws, strict=True):
-            block = self._verify(key, raw, corrupt)
-            out.append(block)
+        out = [self._accept(key, item, corrupt) for key, item in zip(keys, loaded, strict=True)]
         if corrupt:
             await self._drop_corrupt(corrupt, deadline)
         return out
 
-    def _verify(self, key: ObjectKey, raw: Buffer | None, corrupt: list[str]) -> Block | None:
-        if raw is None:
-            self._stats.misses += 1
-            return None
-        self._stats.bytes_in += memoryview(raw).nbytes
-        try:
-            block = serde.decode(raw, key=key.id)
-            if not key.matches(block.meta):
-                raise serde.MetadataMismatch("namespace fields differ from the key's")
-        except BlockFormatError as exc:
+    def _accept(self, key: ObjectKey, item: Loaded, corrupt: list[str]) -> Block | None:
+        if isinstance(item, Block) and not key.matches(item.meta):
+            item = serde.MetadataMismatch("namespace fields differ from the key's")
+        if isinstance(item, BlockFormatError):
             self._stats.corrupt_detected += 1
-            self._stats.misses += 1
             corrupt.append(key.id)
-            logger.warning("%s: dropping corrupt object %s: %s", self.name, key.id, exc)
+            logger.warning("%s: dropping corrupt object %s: %s", self.name, key.id, item)
+            item = None
+        if item is None:
+            self._stats.misses += 1
             return None
         self._stats.hits += 1
-        return block
+        if item.encoded is not None:
+            self._stats.bytes_in += item.encoded.nbytes
+        return item
 
     async def _drop_corrupt(self, ids: list[str], deadline: Deadline) -> None:
         """Delete objects that failed verification, within what is left of the deadline."""
@@ -474,17 +490,17 @@ class StoreBase(Guarded, Connector):
     async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
         self._check_open()
         timeout = check_timeout(timeout)
-        encoded = [(key.id, encode_for(key, block)) for key, block in check_items(items)]
-        if not encoded:
+        # Encoded here, on the event loop: encoding on the disk I/O threads measured slower
+        # (0.68 vs 0.74 of raw store throughput); their GIL hand-offs cost more than it saved.
+        batch = [(k.id, encode_once(b)) for k, b in check_items(items)]
+        if not batch:
             return 0
-        outcomes = await self._write("put", self._store(encoded, overwrite=False), timeout)
-        return self._count_puts(encoded, outcomes)
+        outcomes = await self._write("put", self._store(batch, overwrite=False), timeout)
+        return self._count_puts(batch, outcomes)
 
-    def _count_puts(
-        self, encoded: list[tuple[str, EncodedBlock]], outcomes: list[PutOutcome]
-    ) -> int:
+    def _count_puts(self, batch: list[tuple[str, EncodedBlock]], outcomes: list[PutOutcome]) -> int:
         present = 0
-        for (_, enc), outcome in zip(encoded, outcomes, strict=True):
+        for (_, enc), outcome in zip(batch, outcomes, strict=True):
             if outcome is PutOutcome.WRITTEN:
                 self._stats.stored += 1
                 self._stats.bytes_out += enc.nbytes

@@ -26,34 +26,39 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import itertools
 import logging
 import os
 import re
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import aiofiles.os
+import pyarrow as pa
 
 from connectors.base import (
     BackendError,
     BackendUnavailable,
     Capabilities,
     ConnectorError,
+    Loaded,
     PutOutcome,
     StorageFull,
     StoragePermissionError,
     StoreBase,
+    decode_or_error,
 )
-from connectors.keys import NS_HEX_LEN
+from connectors.keys import NS_HEX_LEN, ObjectKey
+from kvplugin.serde import BlockFormatError, EncodedBlock
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from typing_extensions import Buffer
 
-    from kvplugin.serde import EncodedBlock
+T = TypeVar("T")
 
 __all__ = ["DiskConnector"]
 
@@ -96,14 +101,17 @@ class DiskConnector(StoreBase):
         self._index: OrderedDict[str, int] = OrderedDict()  # id -> size, LRU first
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes of writes in flight
-        self._pending: dict[str, asyncio.Task[PutOutcome]] = {}
+        self._pending: dict[str, asyncio.Task[None]] = {}
         self._started: asyncio.Task[None] | None = None
+        self._ready = False
         self._tmp_names = itertools.count()
 
     # lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Scan the directory and rebuild the index (idempotent; also done on first use)."""
+        if self._ready:
+            return
         if self._started is None:
             self._started = asyncio.ensure_future(self._scan())
         # Shielded: a caller's deadline must not abandon the scan half way.
@@ -121,6 +129,7 @@ class DiskConnector(StoreBase):
         victims = self._evict_until(0)
         if victims:
             await self._unlink(victims)
+        self._ready = True
         logger.info(
             "%s: %d objects (%d bytes) recovered from %s; %d temp files removed, %d evicted",
             self.name,
@@ -145,10 +154,9 @@ class DiskConnector(StoreBase):
         return len(self._index)
 
     def path_for(self, sid: str) -> str:
-        """The final file path of a storage id."""
-        return os.path.join(
-            self.root, sid[:NS_HEX_LEN], sid[NS_HEX_LEN : NS_HEX_LEN + 2], sid[NS_HEX_LEN:] + SUFFIX
-        )
+        """The final file path of a storage id (validated hex: nothing to escape)."""
+        ns, obj = sid[:NS_HEX_LEN], sid[NS_HEX_LEN:]
+        return f"{self.root}/{ns}/{obj[:2]}/{obj}{SUFFIX}"
 
     # primitives -----------------------------------------------------------------------------
 
@@ -162,22 +170,40 @@ class DiskConnector(StoreBase):
         return n
 
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
+        return await self._reads(ids, _read_async)
+
+    async def _load(self, keys: list[ObjectKey]) -> list[Loaded]:
+        # Verify on the I/O thread, right after the read: the bytes are still in that core's
+        # cache, and the event loop only gets finished blocks.
+        return await self._reads([k.id for k in keys], _load_async)
+
+    async def _reads(
+        self, ids: list[str], run: Callable[..., Awaitable[T | None]]
+    ) -> list[T | None]:
+        """Run one read job per indexed id; unreadable or vanished files are misses."""
         await self.start()
-        wanted = [i for i, sid in enumerate(ids) if sid in self._index]
+        index = self._index
+        wanted = [i for i, sid in enumerate(ids) if sid in index]
         for i in wanted:
-            self._index.move_to_end(ids[i])
-        results = await asyncio.gather(
-            *(_read_async(self.path_for(ids[i]), executor=self._executor) for i in wanted),
-            return_exceptions=True,
-        )
-        out: list[Buffer | None] = [None] * len(ids)
+            index.move_to_end(ids[i])
+        ex = self._executor
+        jobs = [run(self.path_for(ids[i]), ids[i], executor=ex) for i in wanted]
+        if len(jobs) == 1:  # the common case, without a task per file
+            try:
+                results: list[object] = [await jobs[0]]
+            except OSError as exc:
+                results = [exc]
+        else:
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        out: list[T | None] = [None] * len(ids)
         for i, res in zip(wanted, results, strict=True):
-            if isinstance(res, BaseException):
+            # A BlockFormatError here is a value (a damaged object), not a failed read.
+            if isinstance(res, BaseException) and not isinstance(res, BlockFormatError):
                 self._read_failed(ids[i], res)
             elif res is None:  # deleted behind our back
                 self._forget(ids[i])
             else:
-                out[i] = res
+                out[i] = res  # type: ignore[assignment]
         return out
 
     def _read_failed(self, sid: str, exc: BaseException) -> None:
@@ -191,25 +217,20 @@ class DiskConnector(StoreBase):
         self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
     ) -> list[PutOutcome]:
         await self.start()
+        if len(items) == 1:  # the common case, without a task per item
+            return [await self._store_one(*items[0], overwrite)]
         results = await asyncio.gather(
-            *(self._store_one(sid, enc, overwrite) for sid, enc in items), return_exceptions=True
+            *(self._store_one(sid, enc, overwrite) for sid, enc in items),
+            return_exceptions=True,
         )
-        outcomes: list[PutOutcome] = []
-        error: BaseException | None = None
         for res in results:
             if isinstance(res, BaseException):
-                error = error or res
-            else:
-                outcomes.append(res)
-        if error is not None:
-            raise error
-        return outcomes
+                raise res
+        return results  # type: ignore[return-value]
 
     async def _store_one(self, sid: str, enc: EncodedBlock, overwrite: bool) -> PutOutcome:
         pending = self._pending.get(sid)
-        if pending is not None:
-            if not overwrite:
-                return await asyncio.shield(pending)
+        if pending is not None:  # the same object is being written: wait for that write
             await asyncio.wait([pending])
         if sid in self._index:
             if not overwrite:
@@ -224,39 +245,38 @@ class DiskConnector(StoreBase):
             await asyncio.wait(list(self._pending.values()), return_when=asyncio.FIRST_COMPLETED)
         if sid in self._index and not overwrite:
             return PutOutcome.EXISTS  # written by a concurrent put while we waited
-        victims = self._evict_until(size)
+        victims = [self.path_for(v) for v in self._evict_until(size)]
         self._reserved += size
-        task = asyncio.ensure_future(self._commit(sid, enc, size, victims))
-        self._pending[sid] = task
-        # Shielded: a cancelled caller leaves the write to finish (or clean up) on its own.
-        return await asyncio.shield(task)
-
-    async def _commit(
-        self, sid: str, enc: EncodedBlock, size: int, victims: list[str]
-    ) -> PutOutcome:
         path = self.path_for(sid)
         tmp = os.path.join(
             os.path.dirname(path), f".{sid[NS_HEX_LEN:]}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         )
+        write = _write_async(path, tmp, enc.parts, self.fsync, victims, executor=self._executor)
+        task = asyncio.ensure_future(write)
+        task.add_done_callback(functools.partial(self._write_done, sid, size))
+        self._pending[sid] = task
         try:
-            await _write_async(
-                path,
-                tmp,
-                enc.parts,
-                self.fsync,
-                [self.path_for(v) for v in victims],
-                executor=self._executor,
-            )
+            # Shielded: a cancelled caller leaves the write to finish (or clean up) on its
+            # own, and _write_done keeps the index and the budget exact either way.
+            await asyncio.shield(task)
         except OSError as exc:
             raise _os_error(exc, f"writing {path}") from exc
-        finally:
-            self._reserved -= size
-            if self._pending.get(sid) is asyncio.current_task():
-                del self._pending[sid]
+        return PutOutcome.WRITTEN
+
+    def _write_done(self, sid: str, size: int, task: asyncio.Task[None]) -> None:
+        """Runs on the loop when a write job ends, before any waiter resumes."""
+        self._reserved -= size
+        if self._pending.get(sid) is task:
+            del self._pending[sid]
+        if task.cancelled():
+            return
+        exc = task.exception()  # also marks it retrieved when nobody waits any more
+        if exc is not None:
+            logger.debug("%s: writing %s failed: %s", self.name, sid, exc)
+            return
         self._forget(sid)  # an overwrite replaced the file
         self._index[sid] = size
         self._used += size
-        return PutOutcome.WRITTEN
 
     async def _remove(self, ids: list[str]) -> int:
         await self.start()
@@ -357,26 +377,30 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _read_file(path: str) -> bytearray | None:
+def _read_file(path: str, sid: str = "") -> memoryview | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:
         size = os.fstat(fd).st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
+        # A pooled, uninitialised buffer: no zero-fill and no fresh page faults while this
+        # thread holds the GIL (a 1 MiB bytearray stalls the event loop thread noticeably).
+        view = memoryview(pa.allocate_buffer(size))
         got = 0
         while got < size:
             n = os.readv(fd, [view[got:]])
             if n == 0:  # shrank under us: hand back what is there, the checksum decides
-                del view
-                del buf[got:]
-                break
+                return view[:got]
             got += n
-        return buf
+        return view
     finally:
         os.close(fd)
+
+
+def _load_file(path: str, sid: str) -> Loaded:
+    raw = _read_file(path)
+    return None if raw is None else decode_or_error(raw, sid)
 
 
 def _unlink_all(paths: Sequence[str]) -> int:
@@ -418,7 +442,8 @@ def _subdirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
 
 
 _write_async = aiofiles.os.wrap(_write_object)
-_read_async = aiofiles.os.wrap(_read_file)
 _unlink_async = aiofiles.os.wrap(_unlink_all)
 _writable_async = aiofiles.os.wrap(_writable)
 _scan_async = aiofiles.os.wrap(_scan)
+_read_async = aiofiles.os.wrap(_read_file)
+_load_async = aiofiles.os.wrap(_load_file)

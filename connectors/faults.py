@@ -42,7 +42,7 @@ from connectors.base import (
     check_items,
     check_keys,
     check_timeout,
-    encode_for,
+    encode_once,
 )
 from connectors.keys import ObjectKey
 from kvplugin.serde import Block, EncodedBlock
@@ -192,7 +192,7 @@ class FaultInjector(Guarded, Connector):
         return stored + dropped
 
     def _corrupt(self, key: ObjectKey, block: Block) -> Block:
-        data = bytearray(encode_for(key, block).join())
+        data = bytearray(encode_once(block).join())
         if self._rng.random() < 0.5:
             pos = self._rng.randrange(len(data))
             data[pos] ^= self._rng.randrange(1, 256)

@@ -29,7 +29,7 @@ from connectors.base import (
     check_items,
     check_keys,
     check_timeout,
-    encode_for,
+    encode_once,
 )
 from connectors.keys import ObjectKey
 from kvplugin.serde import Block
@@ -139,7 +139,7 @@ class TieredConnector(Guarded, Connector):
         self._check_open()
         timeout = check_timeout(timeout)
         # Encode once for all tiers; each tier stores the same bytes (and counts its errors).
-        ready = [(k, Block(b.meta, b.payload, encode_for(k, b))) for k, b in check_items(items)]
+        ready = [(k, Block(b.meta, b.payload, encode_once(b))) for k, b in check_items(items)]
         if not ready:
             return 0
         results = await asyncio.gather(

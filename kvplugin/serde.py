@@ -1,36 +1,47 @@
-"""The kvplugin block format: one Arrow IPC stream per stored object, checksummed end to end.
+"""The kvplugin block format: an Arrow IPC stream per stored object, checksummed end to end.
 
 An object holds one chunk of KV bytes (one or more consecutive blocks of one KV-cache group,
 or one Mamba boundary state) together with the metadata needed to prove what it is::
 
-    offset 0   envelope (64 bytes, little endian)
-               magic "KVPLGBLK" | version u16 | flags u16 | reserved u32
-               object_len u64 | payload_off u64 | payload_len u64 | reserved u64
-               frame_xxh3_128 (16 bytes)
-    offset 64  Arrow IPC stream: schema message (metadata below), one record batch with a
-               single ``fixed_size_binary`` column "blocks" (one row per block), end-of-stream
+    offset 0    envelope (64 bytes, little endian)
+                magic "KVPLGBLK" | version u16 | flags u16 | meta_len u32
+                object_len u64 | payload_off u64 | payload_len u64 | reserved u64
+                frame_xxh3_128 (16 bytes)
+    offset 64   metadata: one JSON document (meta_len bytes), zero-padded to 8 bytes
+    then        Arrow IPC stream: a schema message carrying the same JSON document under the
+                ``kvplugin.block`` metadata key, one record batch with a single
+                ``fixed_size_binary`` column "blocks" (one row per block), end-of-stream
+
+The metadata (format version, key, tenant, model, layout fingerprint, group, kind, token
+range or boundary, dtype, shape, payload checksum) is stored twice on purpose: in the Arrow
+schema, so any Arrow reader sees what the stream is, and right after the envelope, so a load
+reads it with one ``json.loads``. Calling pyarrow's reader per load costs ~100 us under
+thread contention, more than the rest of a verified 1 MiB load.
 
 Two checksums cover every byte exactly once, so verification costs one pass over the object:
 
-* ``payload_xxh3_128`` (in the Arrow schema metadata) covers the payload bytes, which are the
-  Arrow data buffer of the "blocks" column;
+* ``payload_xxh3_128`` (in the metadata) covers the payload bytes, which are the Arrow data
+  buffer of the "blocks" column;
 * ``frame_xxh3_128`` (in the envelope) covers everything else: the envelope's first 48 bytes,
-  the Arrow messages (so the metadata and the payload checksum itself) and the padding.
+  both copies of the metadata, the Arrow messages and the padding.
 
-The frame is verified *before* pyarrow parses anything, so a flipped or truncated object never
-reaches the Arrow reader, and decoding is zero-copy: the returned payload is a view into the
-bytes that were read. Encoding is zero-copy too: :func:`encode` returns the small head and tail
-around a view of the caller's payload, and writers gather them (``writev``, a RESP bulk string
-sent in pieces). Every decode failure raises a :class:`BlockFormatError` subclass; callers turn
-it into a counted miss and delete the object.
+Decoding verifies the frame before parsing anything and returns the payload as a view into
+the bytes that were read (zero-copy); ``decode(..., arrow_check=True)`` also reads the stream
+with pyarrow and checks that both metadata copies agree and that the Arrow data buffer is
+exactly the checksummed payload range (the tests do this for every shape). Encoding is
+zero-copy too: :func:`encode` returns the small head and tail around a view of the caller's
+payload, and writers gather them (``writev``, a RESP bulk string sent in pieces). Every
+decode failure raises a :class:`BlockFormatError` subclass; callers turn it into a counted
+miss and delete the object.
 
 This module must stay importable on its own: no asyncio, no ``kvplugin.core``.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPE_SIZES",
     "FORMAT_VERSION",
+    "META_KEY",
     "Block",
     "BlockFormatError",
     "BlockMeta",
@@ -52,6 +64,7 @@ __all__ = [
     "MetadataMismatch",
     "TruncatedBlock",
     "UnknownFormatVersion",
+    "arrow_stream",
     "decode",
     "encode",
 ]
@@ -62,6 +75,9 @@ _ENVELOPE = struct.Struct("<8sHHIQQQQ16s")
 ENVELOPE_SIZE = _ENVELOPE.size  # 64
 _HASHED_ENVELOPE = ENVELOPE_SIZE - 16  # everything but the frame checksum itself
 _COLUMN = "blocks"
+_CONTINUATION = b"\xff\xff\xff\xff"  # starts every Arrow IPC message
+_MAX_INT = 1 << 63
+META_KEY = b"kvplugin.block"  # the Arrow schema metadata key holding the JSON metadata
 
 # Element sizes of the dtypes a KV cache uses. Names follow torch/numpy spelling; the bytes
 # are opaque to this module, the dtype only has to make shape * itemsize == payload size.
@@ -84,8 +100,6 @@ DTYPE_SIZES: dict[str, int] = {
 }
 # numpy has no bfloat16 / float8: expose those as same-width unsigned integers.
 _NUMPY_VIEW = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
-
-_P = "kvplugin."  # metadata key prefix
 
 
 class BlockFormatError(ValueError):
@@ -130,6 +144,25 @@ class BlockMeta:
     boundary: int | None = None
 
     def __post_init__(self) -> None:
+        # Runs on every load too, so the common case is a handful of cheap checks; the
+        # detailed messages are built only when something is wrong.
+        strings = (self.key, self.tenant, self.model, self.layout, self.kind, self.dtype)
+        ints = (self.group, self.token_start, self.token_end)
+        shape = self.shape
+        if not (
+            all(type(v) is str and v for v in strings)
+            and all(type(v) is int and 0 <= v < _MAX_INT for v in ints)
+            and self.group < 1 << 32
+            and self.token_start <= self.token_end
+            and (self.boundary is None or _is_uint(self.boundary))
+            and type(shape) is tuple
+            and shape
+            and all(type(d) is int and d > 0 for d in shape)
+            and self.dtype in DTYPE_SIZES
+        ):
+            self._explain()
+
+    def _explain(self) -> None:
         for name in ("key", "tenant", "model", "layout", "kind", "dtype"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -144,9 +177,7 @@ class BlockMeta:
             raise ValueError(f"token_end < token_start: [{self.token_start}, {self.token_end})")
         if self.boundary is not None and not _is_uint(self.boundary):
             raise ValueError(f"boundary must be None or a non-negative integer: {self.boundary!r}")
-        shape = self.shape
-        if not isinstance(shape, tuple) or not shape or not all(_is_pos(d) for d in shape):
-            raise ValueError(f"shape must be a non-empty tuple of positive ints, got {shape!r}")
+        raise ValueError(f"shape must be a non-empty tuple of positive ints, got {self.shape!r}")
 
     @property
     def nbytes(self) -> int:
@@ -210,44 +241,52 @@ def encode(meta: BlockMeta, payload: Buffer) -> EncodedBlock:
             f"needs {meta.nbytes}"
         )
     rows = meta.shape[0]
-    col_type = pa.binary(src.nbytes // rows)
-    schema = pa.schema(
-        [pa.field(_COLUMN, col_type, nullable=False)],
-        metadata=_meta_to_arrow(meta, xxhash.xxh3_128_digest(src)),
-    )
-    src_buf = pa.py_buffer(src)
-    array = pa.Array.from_buffers(col_type, rows, [None, src_buf])
-    sink = _PartsSink(src_buf.address, src.nbytes)
+    width = src.nbytes // rows
+    doc = _meta_json(meta, xxhash.xxh3_128_digest(src))
+    schema = pa.schema([pa.field(_COLUMN, pa.binary(width), nullable=False)], {META_KEY: doc})
+    schema_msg = schema.serialize().to_pybytes()
+    batch_head, tail = _batch_framing(rows, width)
+    meta_block = doc + bytes(-len(doc) % 8)  # keeps the Arrow stream 8-byte aligned
+    payload_off = ENVELOPE_SIZE + len(meta_block) + len(schema_msg) + len(batch_head)
+    total = payload_off + src.nbytes + len(tail)
+    envelope = bytearray(ENVELOPE_SIZE)
+    fields = (MAGIC, FORMAT_VERSION, 0, len(doc), total, payload_off, src.nbytes, 0, bytes(16))
+    _ENVELOPE.pack_into(envelope, 0, *fields)
+    h = xxhash.xxh3_128(memoryview(envelope)[:_HASHED_ENVELOPE])
+    for piece in (meta_block, schema_msg, batch_head, tail):
+        h.update(piece)
+    envelope[_HASHED_ENVELOPE:] = h.digest()
+    head = b"".join((envelope, meta_block, schema_msg, batch_head))
+    return EncodedBlock((head, src, tail), total)
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_framing(rows: int, width: int) -> tuple[bytes, bytes]:
+    """The record-batch message header and the stream tail for ``rows`` x ``width`` bytes.
+
+    A record-batch message depends only on row count and buffer sizes, never on the schema
+    metadata, so it is built once per shape, by letting pyarrow write one stream into a
+    sink that keeps the pieces (the body arrives as a zero-copy view and is dropped).
+    """
+    col_type = pa.binary(width)
+    schema = pa.schema([pa.field(_COLUMN, col_type, nullable=False)])
+    body = pa.allocate_buffer(rows * width)
+    array = pa.Array.from_buffers(col_type, rows, [None, body])
+    sink = _PartsSink(body.address, body.size)
     with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays([array], schema=schema))
     head_ipc, tail = sink.split()
-    total = ENVELOPE_SIZE + len(head_ipc) + src.nbytes + len(tail)
-    envelope = bytearray(ENVELOPE_SIZE)
-    _ENVELOPE.pack_into(
-        envelope,
-        0,
-        MAGIC,
-        FORMAT_VERSION,
-        0,
-        0,
-        total,
-        ENVELOPE_SIZE + len(head_ipc),
-        src.nbytes,
-        0,
-        bytes(16),
-    )
-    h = xxhash.xxh3_128(memoryview(envelope)[:_HASHED_ENVELOPE])
-    h.update(head_ipc)
-    h.update(tail)
-    envelope[_HASHED_ENVELOPE:] = h.digest()
-    return EncodedBlock((bytes(envelope) + head_ipc, src, tail), total)
+    schema_len = schema.serialize().size
+    if head_ipc[schema_len : schema_len + 4] != _CONTINUATION:  # pragma: no cover
+        raise RuntimeError("unexpected Arrow IPC framing; kvplugin.serde needs updating")
+    return head_ipc[schema_len:], tail
 
 
 class _PartsSink:
     """A write-only file for pyarrow that keeps the pieces instead of copying them.
 
-    pyarrow hands the record-batch body to ``write`` as a zero-copy ``pa.Buffer`` over the
-    caller's memory; every other piece (messages, padding, end-of-stream) is small bytes.
+    pyarrow hands the record-batch body to ``write`` as a zero-copy ``pa.Buffer``; every
+    other piece (messages, padding, end-of-stream) is small bytes.
     """
 
     def __init__(self, payload_address: int, payload_size: int) -> None:
@@ -281,24 +320,21 @@ class _PartsSink:
         return b"".join(self._before), b"".join(self._after)
 
 
-def decode(data: Buffer, *, key: str | None = None) -> Block:
+def decode(data: Buffer, *, key: str | None = None, arrow_check: bool = False) -> Block:
     """Verify and parse one object; the payload is a view into ``data`` (zero-copy).
 
     ``key``, when given, must equal the object's recorded key: an intact object stored under
-    the wrong name is as unusable as a corrupt one.
+    the wrong name is as unusable as a corrupt one. ``arrow_check`` also validates the Arrow
+    stream with pyarrow (see the module docstring).
     """
     view = _byte_view(data)
-    payload_off, payload_len = _check_envelope(view)
-    if _frame_digest(view, payload_off, payload_len) != bytes(view[_HASHED_ENVELOPE:ENVELOPE_SIZE]):
+    meta_len, payload_off, payload_len = _check_envelope(view)
+    if _frame_digest(view, payload_off, payload_len) != view[_HASHED_ENVELOPE:ENVELOPE_SIZE]:
         raise ChecksumMismatch("frame checksum mismatch (header, metadata or padding damaged)")
-    ipc = pa.py_buffer(view[ENVELOPE_SIZE:])
-    try:
-        reader = pa.ipc.open_stream(ipc)
-        batch = reader.read_next_batch()
-    except (pa.ArrowException, StopIteration) as exc:
-        raise BlockFormatError(f"unreadable Arrow IPC stream: {exc}") from exc
-    meta, digest = _meta_from_arrow(reader.schema.metadata)
-    _check_layout(batch, meta, ipc.address - ENVELOPE_SIZE, payload_off, payload_len)
+    doc = view[ENVELOPE_SIZE : ENVELOPE_SIZE + meta_len]
+    meta, digest = _meta_from_json(doc)
+    if arrow_check:
+        _check_arrow(view, doc, meta, payload_off, payload_len)
     if key is not None and meta.key != key:
         raise MetadataMismatch(f"object records key {meta.key!r}, expected {key!r}")
     payload = view[payload_off : payload_off + payload_len]
@@ -307,20 +343,28 @@ def decode(data: Buffer, *, key: str | None = None) -> Block:
     return Block(meta=meta, payload=payload, encoded=EncodedBlock((view,), view.nbytes))
 
 
-def _check_envelope(view: memoryview) -> tuple[int, int]:
+def arrow_stream(data: Buffer) -> memoryview:
+    """The Arrow IPC stream inside an object (unverified), for Arrow tools:
+    ``pyarrow.ipc.open_stream(arrow_stream(obj)).read_all()``."""
+    view = _byte_view(data)
+    meta_len = _check_envelope(view)[0]
+    return view[ENVELOPE_SIZE + meta_len + (-meta_len % 8) :]
+
+
+def _check_envelope(view: memoryview) -> tuple[int, int, int]:
     size = view.nbytes
     if size < ENVELOPE_SIZE:
         raise TruncatedBlock(f"object has {size} bytes, less than the {ENVELOPE_SIZE}-byte header")
-    magic, version, _flags, _r1, total, off, length, _r2, _ = _ENVELOPE.unpack_from(view, 0)
+    magic, version, _flags, meta_len, total, off, length, _r, _ = _ENVELOPE.unpack_from(view, 0)
     if magic != MAGIC:
         raise BlockFormatError("not a kvplugin block (bad magic)")
     if version != FORMAT_VERSION:
         raise UnknownFormatVersion(f"format version {version}, this reader knows {FORMAT_VERSION}")
     if total != size:
         raise TruncatedBlock(f"object has {size} bytes, its header says {total}")
-    if not (off > ENVELOPE_SIZE and length > 0 and off + length <= size):
+    if not (ENVELOPE_SIZE + meta_len < off and length > 0 and off + length <= size):
         raise BlockFormatError(f"payload range [{off}, {off + length}) outside the object")
-    return off, length
+    return meta_len, off, length
 
 
 def _frame_digest(view: memoryview, payload_off: int, payload_len: int) -> bytes:
@@ -331,10 +375,20 @@ def _frame_digest(view: memoryview, payload_off: int, payload_len: int) -> bytes
     return h.digest()
 
 
-def _check_layout(
-    batch: pa.RecordBatch, meta: BlockMeta, base: int, payload_off: int, payload_len: int
+def _check_arrow(
+    view: memoryview, doc: memoryview, meta: BlockMeta, payload_off: int, payload_len: int
 ) -> None:
-    """The Arrow column must be exactly the payload range the envelope checksummed."""
+    """Read the stream with pyarrow: the schema carries the same metadata, and the one
+    ``blocks`` column's data buffer is exactly the checksummed payload range."""
+    stream = arrow_stream(view)
+    ipc = pa.py_buffer(stream)
+    try:
+        reader = pa.ipc.open_stream(ipc)
+        batch = reader.read_next_batch()
+    except (pa.ArrowException, StopIteration) as exc:
+        raise BlockFormatError(f"unreadable Arrow IPC stream: {exc}") from exc
+    if (reader.schema.metadata or {}).get(META_KEY) != doc:
+        raise BlockFormatError("the Arrow schema metadata differs from the envelope's")
     if batch.num_columns != 1 or batch.schema.names != [_COLUMN]:
         raise BlockFormatError(f"unexpected columns {batch.schema.names}")
     column = batch.column(0)
@@ -343,53 +397,42 @@ def _check_layout(
     if batch.num_rows != meta.shape[0] or meta.nbytes != payload_len:
         raise BlockFormatError("row count or payload size disagrees with dtype/shape")
     data = column.buffers()[1]
+    base = ipc.address - (view.nbytes - stream.nbytes)
     if data is None or data.address != base + payload_off or data.size < payload_len:
         raise BlockFormatError("Arrow data buffer is not the checksummed payload range")
 
 
-def _meta_to_arrow(meta: BlockMeta, digest: bytes) -> dict[bytes, bytes]:
-    md = {
-        "format_version": str(FORMAT_VERSION),
+def _meta_json(meta: BlockMeta, digest: bytes) -> bytes:
+    """The metadata as one compact JSON document."""
+    doc = {
+        "format_version": FORMAT_VERSION,
         "key": meta.key,
         "tenant": meta.tenant,
         "model": meta.model,
         "layout": meta.layout,
-        "group": str(meta.group),
+        "group": meta.group,
         "kind": meta.kind,
-        "token_start": str(meta.token_start),
-        "token_end": str(meta.token_end),
+        "token_start": meta.token_start,
+        "token_end": meta.token_end,
+        "boundary": meta.boundary,
         "dtype": meta.dtype,
-        "shape": ",".join(map(str, meta.shape)),
+        "shape": meta.shape,
         "payload_xxh3_128": digest.hex(),
     }
-    if meta.boundary is not None:
-        md["boundary"] = str(meta.boundary)
-    return {(_P + k).encode(): v.encode() for k, v in md.items()}
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _meta_from_arrow(raw: Mapping[bytes, bytes] | None) -> tuple[BlockMeta, bytes]:
+def _meta_from_json(raw: Buffer) -> tuple[BlockMeta, bytes]:
     try:
-        md = {k.decode()[len(_P) :]: v.decode() for k, v in (raw or {}).items()}
-        if md.get("format_version") != str(FORMAT_VERSION):
-            raise UnknownFormatVersion(f"metadata format version {md.get('format_version')!r}")
-        boundary = md.get("boundary")
-        meta = BlockMeta(
-            key=md["key"],
-            tenant=md["tenant"],
-            model=md["model"],
-            layout=md["layout"],
-            group=int(md["group"]),
-            kind=md["kind"],
-            token_start=int(md["token_start"]),
-            token_end=int(md["token_end"]),
-            dtype=md["dtype"],
-            shape=tuple(int(d) for d in md["shape"].split(",")),
-            boundary=None if boundary is None else int(boundary),
-        )
-        digest = bytes.fromhex(md["payload_xxh3_128"])
+        doc = json.loads(bytes(raw))
+        if doc.pop("format_version") != FORMAT_VERSION:
+            raise UnknownFormatVersion("metadata format version differs from the envelope's")
+        digest = bytes.fromhex(doc.pop("payload_xxh3_128"))
+        doc["shape"] = tuple(doc["shape"])
+        meta = BlockMeta(**doc)
     except BlockFormatError:
         raise
-    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BlockFormatError(f"bad block metadata: {exc!r}") from exc
     if len(digest) != 16:
         raise BlockFormatError("payload checksum has the wrong length")
@@ -405,7 +448,3 @@ def _byte_view(data: Buffer) -> memoryview:
 
 def _is_uint(value: object, bits: int = 63) -> bool:
     return type(value) is int and 0 <= value < (1 << bits)
-
-
-def _is_pos(value: object) -> bool:
-    return type(value) is int and value > 0

@@ -175,15 +175,16 @@ async def test_restart_with_a_smaller_budget_trims_oldest_first(tmp_path: os.Pat
 async def test_budget_evicts_least_recently_used(tmp_path: os.PathLike[str]) -> None:
     items = make_items(namespace(), 5, nbytes=10 * KIB)
     size = encode(items[0][1].meta, items[0][1].payload).nbytes
-    async with DiskConnector(os.path.join(tmp_path, "d"), capacity_bytes=3 * size) as conn:
+    capacity = 3 * size
+    async with DiskConnector(os.path.join(tmp_path, "d"), capacity_bytes=capacity) as conn:
         for item in items[:3]:
             await conn.put([item], timeout=T)
         await conn.get([items[0][0]], timeout=T)  # 0 is now the most recently used
         await conn.put(items[3:4], timeout=T)  # evicts 1
         present = [await conn.lookup([k], timeout=T) for k, _ in items]
         assert present == [1, 0, 1, 1, 0]
-        assert conn.used_bytes <= 3 * size
-        assert sum(files(conn.root, ".kvb").values()) <= 3 * size
+        assert conn.used_bytes <= capacity
+        assert sum(files(conn.root, ".kvb").values()) <= capacity
         assert conn.stats().evicted == 1
 
 
@@ -259,7 +260,7 @@ async def test_read_errors_are_misses(
         def failing(path: str) -> None:
             raise OSError(errno.EIO, "I/O error")
 
-        monkeypatch.setattr(disk_mod, "_read_async", disk_mod.aiofiles.os.wrap(failing))
+        monkeypatch.setattr(disk_mod, "_read_file", failing)
         assert await conn.get([k for k, _ in items], timeout=T) == [None, None]
         assert conn.stats().errors == 2
 

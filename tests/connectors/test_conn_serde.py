@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -31,9 +32,22 @@ def encoded(m: BlockMeta | None = None, payload: bytes | None = None) -> bytes:
 def test_round_trip_keeps_metadata_and_bytes() -> None:
     m = meta(kind="mamba_state", boundary=48, shape=(1, 3, 4), dtype="float32")
     payload = bytes(range(256))[: m.nbytes] * 1
-    block = serde.decode(encoded(m, payload), key=KEY)
+    block = serde.decode(encoded(m, payload), key=KEY, arrow_check=True)
     assert block.meta == m and bytes(block.payload) == payload
     assert block.as_numpy().shape == (1, 3, 4)
+
+
+def test_objects_are_plain_arrow_streams_any_arrow_reader_can_open() -> None:
+    import pyarrow as pa
+
+    m = meta(shape=(4, 8), dtype="uint8")
+    payload = bytes(range(32))
+    table = pa.ipc.open_stream(serde.arrow_stream(encoded(m, payload))).read_all()
+    assert table.column_names == ["blocks"] and table.num_rows == 4
+    assert b"".join(v.as_py() for v in table.column("blocks")) == payload
+    doc = json.loads(table.schema.metadata[serde.META_KEY])
+    assert doc["tenant"] == "t" and doc["shape"] == [4, 8] and doc["format_version"] == 1
+    assert len(bytes.fromhex(doc["payload_xxh3_128"])) == 16
 
 
 def test_decode_is_zero_copy() -> None:
@@ -136,7 +150,7 @@ def test_random_objects_round_trip_and_damage_is_caught(
     m = meta(dtype=dtype, shape=(rows, width))
     payload = data.draw(st.binary(min_size=m.nbytes, max_size=m.nbytes))
     raw = encoded(m, payload)
-    block = serde.decode(raw, key=KEY)
+    block = serde.decode(raw, key=KEY, arrow_check=True)
     assert block.meta == m and bytes(block.payload) == payload
     assert block == Block(m, payload)  # the encoded form is not part of equality
     bad = bytearray(raw)
