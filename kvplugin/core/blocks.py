@@ -7,7 +7,7 @@ space; block 0 is the *null block*, a placeholder for table positions that hold 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -104,10 +104,13 @@ class FreeBlockQueue:
     evictable block) and O(1) insertion at both ends without allocating per block.
     """
 
-    __slots__ = ("_od",)
+    __slots__ = ("_od", "size")
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._od: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
+        # ``size()`` is the free-block count as a C-level call (the capacity checks of every
+        # allocation read it).
+        self.size: Callable[[], int] = self._od.__len__
 
     @property
     def num_free_blocks(self) -> int:

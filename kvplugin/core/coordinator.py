@@ -121,6 +121,9 @@ class KVCacheCoordinator:
         self._has_cross = any(isinstance(m, CrossAttentionManager)
                               for m in self.single_type_managers)
         self._caching_managers = tuple((gid, m) for gid, m in self._indexed if m.enable_caching)
+        # Whether any family can release out-of-window blocks (full attention never does),
+        # so allocate_slots can skip the window-release fan-out for pure full attention.
+        self.releases_blocks = any(m.releases_window_blocks for m in self.single_type_managers)
         # Replay boundaries only matter to sparse (masked) caching.
         self._needs_boundaries = any(
             not m._dense_caching or isinstance(m.kv_cache_spec, MambaSpec)

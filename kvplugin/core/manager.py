@@ -274,25 +274,27 @@ class KVCacheManager:
         # Watermark: only waiting/preempted requests pay it, and only into a busy engine.
         if has_scheduled_reqs and (request.status is _WAITING or request.status is _PREEMPTED):
             wm = self.watermark_blocks
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        free = self.block_pool.free_block_queue
+        num_tokens = len(request.all_token_ids)
+        prefill_end = max(request.num_prompt_tokens, num_tokens - 1)
+        num_free = self.block_pool.free_block_queue.size
         if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
+            full = min(num_tokens, self.max_model_len)
             need_full = coord.get_num_blocks_to_allocate(
                 rid, full, hits, num_encoder_tokens, total, local, full,
                 apply_admission_cap=True, prefill_end=prefill_end)
-            if need_full + wm > len(free):
+            if need_full + wm > num_free():
                 return None
         main = total + num_new_tokens
         need_slot = min(main + num_lookahead_tokens, self.max_model_len)
         # Free dead window blocks first (always safe) so the count below evicts less.  The
         # in-flight tokens of dispatched steps may still read theirs.
-        coord.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens),
-                                    request.num_prompt_tokens)
+        if coord.releases_blocks:
+            coord.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens),
+                                        request.num_prompt_tokens)
         need = coord.get_num_blocks_to_allocate(
             rid, need_slot, hits, num_encoder_tokens, local + num_external_computed_tokens,
             local, main, prefill_end=prefill_end)
-        if need + wm > len(free) - reserved_blocks:
+        if need + wm > num_free() - reserved_blocks:
             return None
         if hits is not empty or num_external_computed_tokens > 0:
             coord.allocate_new_computed_blocks(rid, hits, local, num_external_computed_tokens,
@@ -300,7 +302,7 @@ class KVCacheManager:
         new_blocks = coord.allocate_new_blocks(rid, need_slot, main, num_encoder_tokens)
         if not delay_cache_blocks and self.enable_caching:
             # Cache at scheduling time; capping at T leaves draft tokens out.
-            coord.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
+            coord.cache_blocks(request, min(total + num_new_tokens, num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
     def _check_can_adopt(self, request_id: str) -> None:

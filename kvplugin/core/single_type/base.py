@@ -25,6 +25,8 @@ class SingleTypeKVCacheManager:
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
     retains_longer_hit: ClassVar[bool] = False
+    # False only for families whose remove_skipped_blocks can never free anything.
+    releases_window_blocks: ClassVar[bool] = True
 
     def __init__(
         self,

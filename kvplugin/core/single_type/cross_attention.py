@@ -14,6 +14,8 @@ from kvplugin.core.specs import KVCacheSpec
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Sized by ``num_encoder_tokens``; encoder states are unique per request."""
 
+    releases_window_blocks = False
+
     def add_local_computed_blocks(self, request_id: str,
                                   new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int,

@@ -15,6 +15,7 @@ from kvplugin.core.specs import KVCacheSpec, cdiv
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
+    releases_window_blocks: ClassVar[bool] = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
