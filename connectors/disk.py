@@ -161,7 +161,8 @@ class DiskConnector(StoreBase):
     # primitives -----------------------------------------------------------------------------
 
     async def _prefix_present(self, ids: list[str]) -> int:
-        await self.start()
+        if not self._ready:
+            await self.start()
         n = 0
         for sid in ids:
             if sid not in self._index:
@@ -181,7 +182,8 @@ class DiskConnector(StoreBase):
         self, ids: list[str], run: Callable[..., Awaitable[T | None]]
     ) -> list[T | None]:
         """Run one read job per indexed id; unreadable or vanished files are misses."""
-        await self.start()
+        if not self._ready:
+            await self.start()
         index = self._index
         wanted = [i for i, sid in enumerate(ids) if sid in index]
         for i in wanted:
@@ -216,7 +218,8 @@ class DiskConnector(StoreBase):
     async def _store(
         self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
     ) -> list[PutOutcome]:
-        await self.start()
+        if not self._ready:
+            await self.start()
         if len(items) == 1:  # the common case, without a task per item
             return [await self._store_one(*items[0], overwrite)]
         results = await asyncio.gather(
@@ -279,7 +282,8 @@ class DiskConnector(StoreBase):
         self._used += size
 
     async def _remove(self, ids: list[str]) -> int:
-        await self.start()
+        if not self._ready:
+            await self.start()
         pending = [self._pending[sid] for sid in ids if sid in self._pending]
         if pending:
             await asyncio.wait(pending)
@@ -288,7 +292,8 @@ class DiskConnector(StoreBase):
         return await self._unlink(ids)
 
     async def _ping(self) -> None:
-        await self.start()
+        if not self._ready:
+            await self.start()
         try:
             ok = await _writable_async(self.root, executor=self._executor)
         except OSError as exc:

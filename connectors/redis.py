@@ -5,7 +5,9 @@
   second "metadata" key to disagree with the payload (LMCache's two-key race).
 * **Batching.** Prefix lookups pipeline ``EXISTS`` (stopping at the first missing batch),
   loads use ``MGET``, stores pipeline their ``SET``\\ s; all through one
-  ``BlockingConnectionPool`` so concurrency is bounded and waits are bounded too.
+  ``BlockingConnectionPool`` so concurrency is bounded and waits are bounded too. Commands
+  are packed here and sent on pooled ``redis.asyncio`` connections: a stored value goes out
+  as the encoder's pieces, never joined into one more 1 MiB copy.
 * **Failure handling.** Connection errors and socket timeouts are retried with exponential
   backoff and jitter, inside the call's deadline. ``breaker_threshold`` consecutive failed
   calls open a circuit breaker: calls then fail fast (reads as misses) until one half-open
@@ -22,9 +24,9 @@ import asyncio
 import logging
 import random
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -52,7 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["RedisConnector", "RedisOptions"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 # Errors worth another attempt: the connection broke or the server did not answer in time.
 # BusyLoadingError (a ConnectionError) is a restarting server loading its data set.
@@ -126,7 +127,6 @@ class RedisConnector(StoreBase):
             socket_connect_timeout=opts.connect_timeout,
             retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by the call's deadline
         )
-        self._client = aioredis.Redis(connection_pool=self._pool)
 
     @property
     def breaker_state(self) -> str:
@@ -136,13 +136,15 @@ class RedisConnector(StoreBase):
         return self._prefix + sid.encode()
 
     # primitives -----------------------------------------------------------------------------
+    # Every command goes through _roundtrip: packed here, pipelined on one pooled
+    # connection. redis-py's command layer would add a copy of every stored value (set()
+    # wants one buffer) and its response-callback machinery to every call.
 
     async def _prefix_present(self, ids: list[str]) -> int:
         n = 0
         for batch in _batches(ids, self.options.lookup_batch):
-            keys = [self.redis_key(s) for s in batch]
-            found = await self._call("lookup", lambda r, keys=keys: _exists_each(r, keys))
-            for present in found:
+            commands = [[_pack(b"EXISTS", self.redis_key(s))] for s in batch]
+            for present in await self._call("lookup", commands):
                 if not present:
                     return n
                 n += 1
@@ -151,8 +153,9 @@ class RedisConnector(StoreBase):
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
         out: list[Buffer | None] = []
         for batch in _batches(ids, self.options.get_batch):
-            keys = [self.redis_key(s) for s in batch]
-            out.extend(await self._call("get", lambda r, keys=keys: r.mget(keys)))
+            command = [_pack(b"MGET", *(self.redis_key(s) for s in batch))]
+            (values,) = await self._call("get", [command])
+            out.extend(values)
         return out
 
     async def _store(
@@ -162,16 +165,23 @@ class RedisConnector(StoreBase):
             _pack_set(self.redis_key(sid), enc, nx=not overwrite, ttl=self.options.ttl_seconds)
             for sid, enc in items
         ]
-        replies = await self._call("put", lambda r: self._pipeline_raw(commands))
+        replies = await self._call("put", commands)
         # SET NX answers nil when the key exists: content-addressed, so it is the same object.
         return [PutOutcome.EXISTS if reply is None else PutOutcome.WRITTEN for reply in replies]
 
-    async def _pipeline_raw(self, commands: list[list[Buffer]]) -> list[object]:
-        """Send pre-packed commands on one pooled connection and read one reply each.
+    async def _remove(self, ids: list[str]) -> int:
+        command = [_pack(b"UNLINK", *(self.redis_key(s) for s in ids))]
+        (removed,) = await self._call("delete", [command])
+        return int(removed)
 
-        redis-py's ``set()`` needs the value as one buffer, i.e. a 1 MiB copy of every
-        object; packing the RESP bulk string ourselves sends the encoder's pieces as they are.
-        """
+    async def _ping(self) -> None:
+        await self._call("ping", [[_pack(b"PING")]])
+
+    async def _close(self) -> None:
+        await self._pool.aclose()
+
+    async def _roundtrip(self, commands: list[list[Buffer]]) -> list[Any]:
+        """Send packed commands on one pooled connection and read one reply each."""
         conn = await self._pool.get_connection()
         try:
             await conn.send_packed_command([c for cmd in commands for c in cmd])
@@ -183,24 +193,14 @@ class RedisConnector(StoreBase):
         finally:
             await self._pool.release(conn)
 
-    async def _remove(self, ids: list[str]) -> int:
-        keys = [self.redis_key(s) for s in ids]
-        return int(await self._call("delete", lambda r: r.unlink(*keys)))
-
-    async def _ping(self) -> None:
-        await self._call("ping", lambda r: r.ping())
-
-    async def _close(self) -> None:
-        await self._client.aclose()
-        await self._pool.aclose()
-
     def _on_deadline(self) -> None:
         # A call cut by its deadline is a slow backend: count it towards opening the breaker.
         self._breaker.failure()
 
     # retry and breaker ------------------------------------------------------------------------
 
-    async def _call(self, op: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+    async def _call(self, op: str, commands: list[list[Buffer]]) -> list[Any]:
+        """One pipelined round trip, retried on connection trouble, behind the breaker."""
         if not self._breaker.acquire():
             raise CircuitOpen(f"{self.name} {op}: circuit open after repeated failures")
         settled = False
@@ -208,7 +208,7 @@ class RedisConnector(StoreBase):
             attempt = 0
             while True:
                 try:
-                    result = await fn(self._client)
+                    result = await self._roundtrip(commands)
                 except _DENIED as exc:
                     settled = True
                     self._breaker.success()  # the server answered
@@ -247,15 +247,8 @@ def _reply_error(name: str, op: str, exc: rexc.RedisError) -> ConnectorError:
     return BackendError(f"{name} {op}: {exc}")
 
 
-async def _exists_each(r: aioredis.Redis, keys: list[bytes]) -> list[int]:
-    async with r.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.exists(key)
-        return await pipe.execute()
-
-
 def _pack_set(key: bytes, enc: EncodedBlock, *, nx: bool, ttl: int | None) -> list[Buffer]:
-    """``SET key <value> [NX] [EX ttl]`` in RESP, the value being the object's parts."""
+    """``SET key <value> [NX] [EX ttl]``, the value sent as the encoder's pieces (no join)."""
     options = [b"NX"] if nx else []
     if ttl is not None:
         options += [b"EX", str(ttl).encode()]
@@ -267,6 +260,11 @@ def _pack_set(key: bytes, enc: EncodedBlock, *, nx: bool, ttl: int | None) -> li
     )
     tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(o), o) for o in options)
     return [head, *enc.parts, tail]
+
+
+def _pack(*args: bytes) -> bytes:
+    """A RESP command of bulk strings (keys are validated hex, names are constants)."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def _batches(ids: Sequence[str], size: int) -> list[Sequence[str]]:
