@@ -452,7 +452,8 @@ class StoreBase(Guarded, Connector):
         deadline = Deadline(time.monotonic() + timeout)
         if not keys:
             return []
-        loaded = await self._read("get", self._load(keys), timeout, [None] * len(keys))
+        misses: list[Loaded] = [None] * len(keys)
+        loaded = await self._read("get", self._load(keys), timeout, misses)
         corrupt: list[str] = []
         out = [self._accept(key, item, corrupt) for key, item in zip(keys, loaded, strict=True)]
         if corrupt:

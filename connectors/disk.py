@@ -33,10 +33,10 @@ import os
 import re
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import aiofiles.os
-import pyarrow as pa
+import pyarrow as pa  # type: ignore[import-untyped]
 
 from connectors.base import (
     BackendError,
@@ -176,7 +176,7 @@ class DiskConnector(StoreBase):
     async def _load(self, keys: list[ObjectKey]) -> list[Loaded]:
         # Verify on the I/O thread, right after the read: the bytes are still in that core's
         # cache, and the event loop only gets finished blocks.
-        return await self._reads([k.id for k in keys], _load_async)
+        return cast("list[Loaded]", await self._reads([k.id for k in keys], _load_async))
 
     async def _reads(
         self, ids: list[str], run: Callable[..., Awaitable[T | None]]
@@ -450,5 +450,5 @@ _write_async = aiofiles.os.wrap(_write_object)
 _unlink_async = aiofiles.os.wrap(_unlink_all)
 _writable_async = aiofiles.os.wrap(_writable)
 _scan_async = aiofiles.os.wrap(_scan)
-_read_async = aiofiles.os.wrap(_read_file)
-_load_async = aiofiles.os.wrap(_load_file)
+_read_async: Callable[..., Awaitable[memoryview | None]] = aiofiles.os.wrap(_read_file)
+_load_async: Callable[..., Awaitable[Loaded]] = aiofiles.os.wrap(_load_file)

@@ -180,9 +180,9 @@ class RedisConnector(StoreBase):
     async def _close(self) -> None:
         await self._pool.aclose()
 
-    async def _roundtrip(self, commands: list[list[Buffer]]) -> list[Any]:
+    async def _roundtrip(self, commands: Sequence[Sequence[Buffer]]) -> list[Any]:
         """Send packed commands on one pooled connection and read one reply each."""
-        conn = await self._pool.get_connection()
+        conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         try:
             await conn.send_packed_command([c for cmd in commands for c in cmd])
             return [await conn.read_response() for _ in commands]
@@ -199,7 +199,7 @@ class RedisConnector(StoreBase):
 
     # retry and breaker ------------------------------------------------------------------------
 
-    async def _call(self, op: str, commands: list[list[Buffer]]) -> list[Any]:
+    async def _call(self, op: str, commands: Sequence[Sequence[Buffer]]) -> list[Any]:
         """One pipelined round trip, retried on connection trouble, behind the breaker."""
         if not self._breaker.acquire():
             raise CircuitOpen(f"{self.name} {op}: circuit open after repeated failures")
@@ -235,7 +235,7 @@ class RedisConnector(StoreBase):
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with "equal jitter": half fixed, half random."""
-        cap = min(self.options.backoff_cap, self.options.backoff_base * 2 ** (attempt - 1))
+        cap = min(self.options.backoff_cap, self.options.backoff_base * 2.0 ** (attempt - 1))
         return cap / 2 + self._rng.uniform(0, cap / 2)
 
 

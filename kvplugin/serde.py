@@ -45,7 +45,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
+import pyarrow as pa  # type: ignore[import-untyped]
 import xxhash
 
 if TYPE_CHECKING:
@@ -209,7 +209,8 @@ class Block:
         import numpy as np
 
         dtype = _NUMPY_VIEW.get(self.meta.dtype, self.meta.dtype)
-        arr = np.frombuffer(self.payload, dtype=np.dtype(dtype)).reshape(self.meta.shape)
+        flat: np.ndarray[Any, Any] = np.frombuffer(memoryview(self.payload), dtype=np.dtype(dtype))
+        arr = flat.reshape(self.meta.shape)
         arr.flags.writeable = False
         return arr
 
