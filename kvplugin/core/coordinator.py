@@ -123,8 +123,10 @@ class KVCacheCoordinator:
         self._caching_managers = tuple((gid, m) for gid, m in self._indexed if m.enable_caching)
         # Whether any family can release out-of-window blocks (full attention never does),
         # so allocate_slots can skip the window-release fan-out for pure full attention.
-        self.releases_blocks = any(m.releases_window_blocks for m in self.single_type_managers)
+        self._releasing = tuple(m for m in self.single_type_managers if m.releases_window_blocks)
+        self.releases_blocks = bool(self._releasing)
         # Replay boundaries only matter to sparse (masked) caching.
+        self._boundaries: dict[int, tuple[int, ...]] = {}
         self._needs_boundaries = any(
             not m._dense_caching or isinstance(m.kv_cache_spec, MambaSpec)
             for _, m in self._caching_managers)
@@ -149,8 +151,8 @@ class KVCacheCoordinator:
             else:
                 total += m.get_num_blocks_to_allocate(
                     request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
-                    num_local_computed_tokens, num_tokens_main_model,
-                    apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+                    num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+                    prefill_end)
         return total
 
     def allocate_new_computed_blocks(
@@ -192,11 +194,20 @@ class KVCacheCoordinator:
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
+    def replay_boundaries_for(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        """``replay_boundaries`` of a prompt length, memoised (it runs every step)."""
+        if not self._needs_boundaries:
+            return ()
+        b = self._boundaries.get(num_prompt_tokens)
+        if b is None:
+            b = replay_boundaries(num_prompt_tokens, self.scheduler_block_size,
+                                  bool(self.drop_eagle_group_ids))
+            if len(self._boundaries) < 1 << 16:
+                self._boundaries[num_prompt_tokens] = b
+        return b
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        boundaries: tuple[int, ...] = ()
-        if self._needs_boundaries:
-            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
-                                           bool(self.drop_eagle_group_ids))
+        boundaries = self.replay_boundaries_for(request.num_prompt_tokens)
         for gid, m in self._caching_managers:
             m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, gid),
                            self.retention_interval, replay_boundaries=boundaries)
@@ -224,7 +235,7 @@ class KVCacheCoordinator:
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        for m in self.single_type_managers:
+        for m in self._releasing:
             m.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> Hits:

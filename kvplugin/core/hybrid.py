@@ -18,7 +18,6 @@ from kvplugin.core.coordinator import (
     check_lookup_layout,
     eagle_proof_margin,
     partial_hash_hits_enabled,
-    replay_boundaries,
 )
 from kvplugin.core.request import Request
 from kvplugin.core.specs import FullAttentionSpec, MambaSpec, cdiv
@@ -92,11 +91,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         # Same as the base fan-out with get_num_cacheable_tokens inlined for the common
         # (non-EAGLE) groups: this runs for every scheduled request every step.
-        boundaries: tuple[int, ...] = ()
-        if self._needs_boundaries:
-            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
-                                           bool(self.drop_eagle_group_ids))
-        aligned = self._align_cacheable(num_computed_tokens)
+        boundaries = self.replay_boundaries_for(request.num_prompt_tokens)
+        aligned = num_computed_tokens if self.enable_partial_hash_hits else \
+            num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
         retention = self.retention_interval
         for gid, m in self._caching_managers:
             n = self.get_num_cacheable_tokens(num_computed_tokens, gid) if m.use_eagle \

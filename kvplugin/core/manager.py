@@ -275,7 +275,9 @@ class KVCacheManager:
         if has_scheduled_reqs and (request.status is _WAITING or request.status is _PREEMPTED):
             wm = self.watermark_blocks
         num_tokens = len(request.all_token_ids)
-        prefill_end = max(request.num_prompt_tokens, num_tokens - 1)
+        prefill_end = num_tokens - 1
+        if request.num_prompt_tokens > prefill_end:
+            prefill_end = request.num_prompt_tokens
         num_free = self.block_pool.free_block_queue.size
         if full_sequence_must_fit:
             full = min(num_tokens, self.max_model_len)
@@ -285,11 +287,14 @@ class KVCacheManager:
             if need_full + wm > num_free():
                 return None
         main = total + num_new_tokens
-        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
+        need_slot = main + num_lookahead_tokens
+        if need_slot > self.max_model_len:
+            need_slot = self.max_model_len
         # Free dead window blocks first (always safe) so the count below evicts less.  The
         # in-flight tokens of dispatched steps may still read theirs.
         if coord.releases_blocks:
-            coord.remove_skipped_blocks(rid, max(0, total - request.num_in_flight_tokens),
+            processed = total - request.num_in_flight_tokens
+            coord.remove_skipped_blocks(rid, processed if processed > 0 else 0,
                                         request.num_prompt_tokens)
         need = coord.get_num_blocks_to_allocate(
             rid, need_slot, hits, num_encoder_tokens, local + num_external_computed_tokens,
@@ -302,7 +307,7 @@ class KVCacheManager:
         new_blocks = coord.allocate_new_blocks(rid, need_slot, main, num_encoder_tokens)
         if not delay_cache_blocks and self.enable_caching:
             # Cache at scheduling time; capping at T leaves draft tokens out.
-            coord.cache_blocks(request, min(total + num_new_tokens, num_tokens))
+            coord.cache_blocks(request, main if main < num_tokens else num_tokens)
         return self.create_kv_cache_blocks(new_blocks)
 
     def _check_can_adopt(self, request_id: str) -> None:

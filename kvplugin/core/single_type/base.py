@@ -99,7 +99,7 @@ class SingleTypeKVCacheManager:
             if new_computed_blocks:
                 raise AssertionError(f"request {request_id} is running; it cannot adopt hits")
             # Rejected drafts can leave the table longer than needed.
-            return max(required - num_req_blocks, 0)
+            return required - num_req_blocks if required > num_req_blocks else 0
         skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = max(required - max(skipped_blocks, len(new_computed_blocks) + num_req_blocks),
                       0)
