@@ -182,7 +182,7 @@ class Replayer:
     # ------------------------------------------------------------------ helpers
     def _req(self, op: dict[str, Any]) -> Request:
         req = self.requests.get(op.get("id"))  # type: ignore[arg-type]
-        if req is None:
+        if req is None:  # also a missing "id"
             raise TraceError(f"unknown or removed request id {op.get('id')!r}")
         return req
 
@@ -284,21 +284,20 @@ class Replayer:
     def op_allocate_slots(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
         req = self._req(op)
         rid = req.request_id
+        get = op.get
         hits = None
-        if op.get("use_lookup", False):
+        if get("use_lookup", False):
             if rid not in self.lookups:
                 raise TraceError("use_lookup without a preceding get_computed_blocks")
             hits = self.lookups[rid][0]
-        self.lookups.pop(rid, None)
+        if self.lookups:
+            self.lookups.pop(rid, None)
+        # Positional, in allocate_slots' parameter order; the core validates the counts.
         blocks = self.manager.allocate_slots(
-            req, int(op["num_new_tokens"]),
-            num_new_computed_tokens=int(op.get("num_new_computed_tokens", 0)),
-            new_computed_blocks=hits,
-            num_lookahead_tokens=int(op.get("num_lookahead_tokens", 0)),
-            delay_cache_blocks=bool(op.get("delay_cache_blocks", False)),
-            full_sequence_must_fit=bool(op.get("full_sequence_must_fit", False)),
-            reserved_blocks=int(op.get("reserved_blocks", 0)),
-            has_scheduled_reqs=bool(op.get("has_scheduled_reqs", True)))
+            req, op["num_new_tokens"], get("num_new_computed_tokens", 0), hits,
+            get("num_lookahead_tokens", 0), 0, get("delay_cache_blocks", False), 0,
+            get("full_sequence_must_fit", False), get("reserved_blocks", 0),
+            get("has_scheduled_reqs", True))
         if not record:
             return None
         res: dict[str, Any] = {"ok": blocks is not None,
@@ -326,10 +325,12 @@ class Replayer:
         req = self._req(op)
         if "num_computed_tokens" in op:
             req.num_computed_tokens = int(op["num_computed_tokens"])
-        tokens = self._expand(op.get("tokens", []))
         before = len(req.block_hashes)
-        if tokens:
-            req.append_output_token_ids(tokens)
+        spec = op.get("tokens")
+        if spec:
+            tokens = self._expand(spec)
+            if tokens:
+                req.append_output_token_ids(tokens)
         if not record:
             return None
         res: dict[str, Any] = {"num_tokens": req.num_tokens}

@@ -242,14 +242,19 @@ class KVCacheManager:
         adopted hits are not.  On None nothing was adopted or allocated (window removal
         and Mamba checkpoint bookkeeping aside).
         """
-        if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
-                | num_external_computed_tokens | num_encoder_tokens | reserved_blocks) < 0:
-            _raise_negative(num_new_tokens=num_new_tokens,
-                            num_new_computed_tokens=num_new_computed_tokens,
-                            num_lookahead_tokens=num_lookahead_tokens,
-                            num_external_computed_tokens=num_external_computed_tokens,
-                            num_encoder_tokens=num_encoder_tokens,
-                            reserved_blocks=reserved_blocks)
+        try:
+            negative = (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens
+                        | num_external_computed_tokens | num_encoder_tokens
+                        | reserved_blocks) < 0
+        except TypeError:
+            negative = True  # a non-integer count: named below
+        if negative:
+            _raise_bad_count(num_new_tokens=num_new_tokens,
+                             num_new_computed_tokens=num_new_computed_tokens,
+                             num_lookahead_tokens=num_lookahead_tokens,
+                             num_external_computed_tokens=num_external_computed_tokens,
+                             num_encoder_tokens=num_encoder_tokens,
+                             reserved_blocks=reserved_blocks)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 \
                 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
@@ -470,7 +475,9 @@ _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
-def _raise_negative(**counts: int) -> None:
+def _raise_bad_count(**counts: int) -> None:
     for name, value in counts.items():
+        if not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
