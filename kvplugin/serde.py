@@ -244,7 +244,7 @@ def encode(meta: BlockMeta, payload: Buffer) -> EncodedBlock:
     rows = meta.shape[0]
     width = src.nbytes // rows
     doc = _meta_json(meta, xxhash.xxh3_128_digest(src))
-    schema = pa.schema([pa.field(_COLUMN, pa.binary(width), nullable=False)], {META_KEY: doc})
+    schema = pa.schema([_column(width)], {META_KEY: doc})
     schema_msg = schema.serialize().to_pybytes()
     batch_head, tail = _batch_framing(rows, width)
     meta_block = doc + bytes(-len(doc) % 8)  # keeps the Arrow stream 8-byte aligned
@@ -404,23 +404,37 @@ def _check_arrow(
 
 
 def _meta_json(meta: BlockMeta, digest: bytes) -> bytes:
-    """The metadata as one compact JSON document."""
-    doc = {
-        "format_version": FORMAT_VERSION,
-        "key": meta.key,
-        "tenant": meta.tenant,
-        "model": meta.model,
-        "layout": meta.layout,
-        "group": meta.group,
-        "kind": meta.kind,
-        "token_start": meta.token_start,
-        "token_end": meta.token_end,
-        "boundary": meta.boundary,
-        "dtype": meta.dtype,
-        "shape": meta.shape,
-        "payload_xxh3_128": digest.hex(),
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    """The metadata as one compact JSON document (what ``json.dumps`` would write).
+
+    The namespace strings are escaped once per namespace (cached); everything else is hex
+    or integers and needs no escaping.
+    """
+    boundary = "null" if meta.boundary is None else str(meta.boundary)
+    shape = ",".join(map(str, meta.shape))
+    return (
+        f'{{"format_version":{FORMAT_VERSION},"key":{_json_str(meta.key)},'
+        f"{_namespace_json(meta.tenant, meta.model, meta.layout, meta.group, meta.kind)}"
+        f'"token_start":{meta.token_start},"token_end":{meta.token_end},'
+        f'"boundary":{boundary},"dtype":{_json_str(meta.dtype)},"shape":[{shape}],'
+        f'"payload_xxh3_128":"{digest.hex()}"}}'
+    ).encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def _namespace_json(tenant: str, model: str, layout: str, group: int, kind: str) -> str:
+    return (
+        f'"tenant":{_json_str(tenant)},"model":{_json_str(model)},'
+        f'"layout":{_json_str(layout)},"group":{group},"kind":{_json_str(kind)},'
+    )
+
+
+def _json_str(value: str) -> str:
+    return json.dumps(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _column(width: int) -> pa.Field:
+    return pa.field(_COLUMN, pa.binary(width), nullable=False)
 
 
 def _meta_from_json(raw: Buffer) -> tuple[BlockMeta, bytes]:

@@ -158,3 +158,26 @@ def test_random_objects_round_trip_and_damage_is_caught(
     bad[pos] ^= data.draw(st.integers(1, 255))
     with pytest.raises(serde.BlockFormatError):
         serde.decode(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tenant=st.text(min_size=1, max_size=20),
+    model=st.text(min_size=1, max_size=20),
+    boundary=st.none() | st.integers(0, 2**62),
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+)
+def test_metadata_json_is_what_json_dumps_writes(
+    tenant: str, model: str, boundary: int | None, shape: list[int]
+) -> None:
+    m = meta(tenant=tenant, model=model, boundary=boundary, shape=tuple(shape), dtype="uint8")
+    digest = bytes(range(16))
+    expected = {
+        "format_version": 1, "key": m.key, "tenant": m.tenant, "model": m.model,
+        "layout": m.layout, "group": m.group, "kind": m.kind, "token_start": m.token_start,
+        "token_end": m.token_end, "boundary": m.boundary, "dtype": m.dtype, "shape": shape,
+        "payload_xxh3_128": digest.hex(),
+    }  # fmt: skip
+    assert serde._meta_json(m, digest) == json.dumps(expected, separators=(",", ":")).encode()
+    block = serde.decode(encoded(m, bytes(m.nbytes)), arrow_check=True)
+    assert block.meta == m
