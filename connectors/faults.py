@@ -183,7 +183,7 @@ class FaultInjector(Guarded, Connector):
                 dropped += 1
             elif self._roll(self.plan.corrupt_write_rate):
                 self.injected.corrupted += 1
-                forward.append((key, self._corrupt(key, block)))
+                forward.append((key, self._corrupt(block)))
             else:
                 forward.append((key, block))
         if not forward:
@@ -191,7 +191,7 @@ class FaultInjector(Guarded, Connector):
         stored = await self.inner.put(forward, timeout=max(deadline.remaining(), 1e-3))
         return stored + dropped
 
-    def _corrupt(self, key: ObjectKey, block: Block) -> Block:
+    def _corrupt(self, block: Block) -> Block:
         data = bytearray(encode_once(block).join())
         if self._rng.random() < 0.5:
             pos = self._rng.randrange(len(data))

@@ -1,7 +1,7 @@
 """Tiered connector: e.g. memory → disk → Redis, write-through, hits promoted upwards.
 
 * ``put`` writes every tier concurrently (write-through) and succeeds when at least one tier
-  stored the objects; a tier that fails is counted and logged, not fatal.
+  stored the objects; a tier that fails is counted (by the tier) and logged, not fatal.
 * ``get`` asks the tiers top-down for what is still missing; each tier verifies its own
   objects (and deletes its own corrupt ones), so a bad copy in one tier falls through to
   the next. Hits from a lower tier are copied to every tier above it in the background,
@@ -145,6 +145,11 @@ class TieredConnector(Guarded, Connector):
         results = await asyncio.gather(
             *(t.put(ready, timeout=timeout) for t in self.tiers), return_exceptions=True
         )
+        for tier, res in zip(self.tiers, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, ConnectorError):
+                    raise res  # misuse or a bug, not a backend failure
+                logger.info("%s: write-through to %s failed: %s", self.name, tier.name, res)
         counts = [r for r in results if isinstance(r, int)]
         if counts:
             return max(counts)

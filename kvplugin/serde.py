@@ -269,10 +269,10 @@ def _batch_framing(rows: int, width: int) -> tuple[bytes, bytes]:
     metadata, so it is built once per shape, by letting pyarrow write one stream into a
     sink that keeps the pieces (the body arrives as a zero-copy view and is dropped).
     """
-    col_type = pa.binary(width)
-    schema = pa.schema([pa.field(_COLUMN, col_type, nullable=False)])
+    column = _column(width)
+    schema = pa.schema([column])
     body = pa.allocate_buffer(rows * width)
-    array = pa.Array.from_buffers(col_type, rows, [None, body])
+    array = pa.Array.from_buffers(column.type, rows, [None, body])
     sink = _PartsSink(body.address, body.size)
     with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), schema) as writer:
         writer.write_batch(pa.RecordBatch.from_arrays([array], schema=schema))
@@ -334,6 +334,8 @@ def decode(data: Buffer, *, key: str | None = None, arrow_check: bool = False) -
         raise ChecksumMismatch("frame checksum mismatch (header, metadata or padding damaged)")
     doc = view[ENVELOPE_SIZE : ENVELOPE_SIZE + meta_len]
     meta, digest = _meta_from_json(doc)
+    if meta.nbytes != payload_len:
+        raise BlockFormatError("payload size disagrees with the recorded dtype and shape")
     if arrow_check:
         _check_arrow(view, doc, meta, payload_off, payload_len)
     if key is not None and meta.key != key:
