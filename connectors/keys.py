@@ -29,6 +29,7 @@ __all__ = [
     "InvalidName",
     "Namespace",
     "ObjectKey",
+    "check_id",
     "layout_fingerprint",
 ]
 
@@ -39,7 +40,6 @@ _MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,255}")
 _LAYOUT_RE = re.compile(r"[0-9a-f]{8,64}")
 _ID_RE = re.compile(r"[0-9a-f]{96}")
 NS_HEX_LEN = 32
-ID_LEN = 96
 
 KINDS = frozenset({"kv", "mamba_state", "partial_tail"})
 """What an object holds: KV pages, a Mamba boundary state, or a finish-time partial tail."""
