@@ -135,9 +135,11 @@ class Simulation:
             n = min(n, thr)
         if self.mamba and req.computed + n < req.num_tokens:
             # Mamba "align": prefill chunks end on scheduler-block boundaries so the state
-            # at each chunk end is a cacheable boundary state.
+            # at each chunk end is a cacheable boundary state (when the budget allows one).
             sbs = self.rep.sbs
-            n = (req.computed + n) // sbs * sbs - req.computed
+            aligned = (req.computed + n) // sbs * sbs - req.computed
+            if aligned > 0:
+                n = aligned
         return max(n, 0)
 
     def _schedule_running(self, budget: int, scheduled: dict[str, int]) -> tuple[int, bool]:
