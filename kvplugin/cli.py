@@ -96,20 +96,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1 if result["summary"]["num_errors"] else 0
 
     from kvplugin.config import ConfigError, load_config
-    from kvplugin.sim import Limits, Simulation, Workload
+    from kvplugin.sim import Simulation
 
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"kvplugin run: {e}", file=sys.stderr)
         return 2
-    w = cfg.workload.model_dump()
-    if args.requests is not None:
-        w["num_requests"] = args.requests
-    if args.seed is not None:
-        w["seed"] = args.seed
-    sim = Simulation(cfg.layout.as_trace_config(), Workload(**w),
-                     Limits(**cfg.limits.model_dump()))
+    overrides = {k: v for k, v in (("num_requests", args.requests), ("seed", args.seed))
+                 if v is not None}
+    workload = cfg.workload.model_copy(update=overrides)
+    sim = Simulation(cfg.layout.as_trace_config(), workload, cfg.limits)
     r = sim.run()
     if args.save_trace:
         with open(args.save_trace, "w") as f:

@@ -15,36 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplugin.config import LimitsConfig as Limits
+from kvplugin.config import WorkloadConfig as Workload
 from kvplugin.replay import FORMAT_TRACE, Replayer
 
-
-@dataclass(slots=True)
-class Workload:
-    """Synthetic traffic: shared system prompts, multi-turn follow-ups, resends."""
-
-    num_requests: int = 48
-    num_system_prompts: int = 3
-    system_prompt_len: tuple[int, int] = (32, 256)
-    user_len: tuple[int, int] = (8, 160)
-    output_len: tuple[int, int] = (1, 48)
-    follow_up_prob: float = 0.35  # continue an earlier conversation
-    resend_prob: float = 0.1  # an identical prompt again
-    salt_prob: float = 0.1  # a request with a cache_salt (isolated tenant)
-    lora_prob: float = 0.1
-    arrivals_per_step: float = 1.5
-    vocab: int = 32000
-    seed: int = 0
-
-
-@dataclass(slots=True)
-class Limits:
-    """Scheduler limits (vLLM's SchedulerConfig knobs that shape KV calls)."""
-
-    max_num_batched_tokens: int = 256
-    max_num_seqs: int = 16
-    long_prefill_token_threshold: int = 0
-    full_sequence_must_fit: bool = True
-    stats_every: int = 8  # steps between take_events / make_prefix_cache_stats / usage
+__all__ = ["Limits", "SimResult", "Simulation", "Workload"]
 
 
 @dataclass(slots=True)
