@@ -110,3 +110,12 @@ def test_kvplugin_run_default_and_bad_config(tmp_path: Path) -> None:
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "layout.num_blocks" in proc.stderr
+
+
+def test_quickstart_example_runs() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "quickstart.py")],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "a: hit 0 tokens, blocks ([1, 2, 3, 4, 5],)"
+    # b shares a's 64-token system prompt: 4 cached blocks, only its tail is new.
+    assert out[1] == "b: hit 64 tokens, blocks ([1, 2, 3, 4, 6],)"
+    assert out[3] == "prefix cache: 64 hit tokens of 136 queried; 1 KV events"
