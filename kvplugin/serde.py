@@ -60,6 +60,7 @@ __all__ = [
     "BlockFormatError",
     "BlockMeta",
     "ChecksumMismatch",
+    "DraftBlock",
     "EncodedBlock",
     "MetadataMismatch",
     "TruncatedBlock",
@@ -67,6 +68,7 @@ __all__ = [
     "arrow_stream",
     "decode",
     "encode",
+    "prepare",
 ]
 
 FORMAT_VERSION = 1
@@ -235,6 +237,15 @@ class EncodedBlock:
 
 def encode(meta: BlockMeta, payload: Buffer) -> EncodedBlock:
     """Serialize one object without copying the payload (see :class:`EncodedBlock`)."""
+    return prepare(meta, payload).seal()
+
+
+_DIGEST_HEX = 32  # hex digits of the payload checksum in the metadata JSON
+_DIGEST_TAIL = _DIGEST_HEX + 2  # the digest is the last JSON value: '<hex>"}'
+
+
+def prepare(meta: BlockMeta, payload: Buffer) -> DraftBlock:
+    """Everything of :func:`encode` except the payload checksum (see :class:`DraftBlock`)."""
     src = _byte_view(payload)
     if src.nbytes != meta.nbytes:
         raise ValueError(
@@ -243,22 +254,79 @@ def encode(meta: BlockMeta, payload: Buffer) -> EncodedBlock:
         )
     rows = meta.shape[0]
     width = src.nbytes // rows
-    doc = _meta_json(meta, xxhash.xxh3_128_digest(src))
-    schema = pa.schema([_column(width)], {META_KEY: doc})
-    schema_msg = schema.serialize().to_pybytes()
+    doc = _meta_json(meta, bytes(16))  # the digest is filled in by DraftBlock.finish
+    schema_pre, schema_post = _schema_framing(len(doc), width)
     batch_head, tail = _batch_framing(rows, width)
-    meta_block = doc + bytes(-len(doc) % 8)  # keeps the Arrow stream 8-byte aligned
-    payload_off = ENVELOPE_SIZE + len(meta_block) + len(schema_msg) + len(batch_head)
+    pad = bytes(-len(doc) % 8)  # keeps the Arrow stream 8-byte aligned
+    meta_end = ENVELOPE_SIZE + len(doc) + len(pad)
+    schema_doc = meta_end + len(schema_pre)
+    payload_off = schema_doc + len(doc) + len(schema_post) + len(batch_head)
     total = payload_off + src.nbytes + len(tail)
-    envelope = bytearray(ENVELOPE_SIZE)
     fields = (MAGIC, FORMAT_VERSION, 0, len(doc), total, payload_off, src.nbytes, 0, bytes(16))
-    _ENVELOPE.pack_into(envelope, 0, *fields)
-    h = xxhash.xxh3_128(memoryview(envelope)[:_HASHED_ENVELOPE])
-    for piece in (meta_block, schema_msg, batch_head, tail):
-        h.update(piece)
-    envelope[_HASHED_ENVELOPE:] = h.digest()
-    head = b"".join((envelope, meta_block, schema_msg, batch_head))
-    return EncodedBlock((head, src, tail), total)
+    head = bytearray(
+        b"".join((_ENVELOPE.pack(*fields), doc, pad, schema_pre, doc, schema_post, batch_head))
+    )
+    digest_at = (ENVELOPE_SIZE + len(doc) - _DIGEST_TAIL, schema_doc + len(doc) - _DIGEST_TAIL)
+    return DraftBlock(head, src, tail, total, digest_at)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBlock:
+    """An encoded object still missing its payload checksum.
+
+    The checksum is the one pass over the payload an encode makes; a writer can compute it
+    where the bytes go out (an I/O thread, chunk by chunk while each chunk is cache-hot) and
+    call :meth:`finish`. ``payload`` is a view of the caller's bytes (not copied); the
+    object is ``head + payload + tail`` once finished. ``head`` is a template: finishing
+    never modifies it.
+    """
+
+    head: bytearray
+    payload: memoryview
+    tail: bytes
+    nbytes: int
+    digest_at: tuple[int, int]  # offsets of the two copies of the payload digest in head
+
+    @property
+    def payload_off(self) -> int:
+        return len(self.head)
+
+    def seal(self) -> EncodedBlock:
+        """The finished object, hashing the payload here (what :func:`encode` does)."""
+        return self.finish(xxhash.xxh3_128_digest(self.payload))
+
+    def finish(self, payload_digest: bytes) -> EncodedBlock:
+        """The finished object, given ``xxh3_128(payload).digest()``."""
+        if len(payload_digest) != 16:
+            raise ValueError("payload_digest must be an xxh3-128 digest (16 bytes)")
+        head = bytearray(self.head)
+        hexed = payload_digest.hex().encode()
+        for at in self.digest_at:
+            head[at : at + _DIGEST_HEX] = hexed
+        h = xxhash.xxh3_128(memoryview(head)[:_HASHED_ENVELOPE])
+        h.update(memoryview(head)[ENVELOPE_SIZE:])
+        h.update(self.tail)
+        head[_HASHED_ENVELOPE:ENVELOPE_SIZE] = h.digest()
+        return EncodedBlock((head, self.payload, self.tail), self.nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_framing(doc_len: int, width: int) -> tuple[bytes, bytes]:
+    """The Arrow schema message around its ``doc_len``-byte metadata value.
+
+    The message (a flatbuffer) stores the value verbatim at a position that depends only on
+    the lengths of its strings, so it is built once per (length, width) and the document is
+    spliced in per object. Checked here against pyarrow with two different documents.
+    """
+    column = _column(width)
+    docs = (b"a" * doc_len, b"b" * doc_len)
+    msgs = [pa.schema([column], {META_KEY: d}).serialize().to_pybytes() for d in docs]
+    at = msgs[0].find(docs[0])
+    ok = at >= 0 and msgs[0].count(docs[0]) == 1
+    pre, post = msgs[0][:at], msgs[0][at + doc_len :]
+    if not (ok and msgs[1] == pre + docs[1] + post):  # pragma: no cover - pyarrow changed
+        raise RuntimeError("unexpected Arrow schema framing; kvplugin.serde needs updating")
+    return pre, post
 
 
 @functools.lru_cache(maxsize=256)
