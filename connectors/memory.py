@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from connectors.base import Capabilities, PutOutcome, StoreBase
+from connectors.base import Capabilities, Encoded, PutOutcome, StoreBase, finish
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -61,9 +61,9 @@ class MemoryConnector(StoreBase):
         return out
 
     async def _store(
-        self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
+        self, items: list[tuple[str, Encoded]], *, overwrite: bool
     ) -> list[PutOutcome]:
-        return [self._store_one(sid, enc, overwrite) for sid, enc in items]
+        return [self._store_one(sid, finish(enc), overwrite) for sid, enc in items]
 
     def _store_one(self, sid: str, enc: EncodedBlock, overwrite: bool) -> PutOutcome:
         if sid in self._objects:

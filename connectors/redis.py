@@ -40,10 +40,12 @@ from connectors.base import (
     CircuitBreaker,
     CircuitOpen,
     ConnectorError,
+    Encoded,
     PutOutcome,
     StorageFull,
     StoragePermissionError,
     StoreBase,
+    finish,
 )
 
 if TYPE_CHECKING:
@@ -159,10 +161,11 @@ class RedisConnector(StoreBase):
         return out
 
     async def _store(
-        self, items: list[tuple[str, EncodedBlock]], *, overwrite: bool
+        self, items: list[tuple[str, Encoded]], *, overwrite: bool
     ) -> list[PutOutcome]:
+        ttl = self.options.ttl_seconds
         commands = [
-            _pack_set(self.redis_key(sid), enc, nx=not overwrite, ttl=self.options.ttl_seconds)
+            _pack_set(self.redis_key(sid), finish(enc), nx=not overwrite, ttl=ttl)
             for sid, enc in items
         ]
         replies = await self._call("put", commands)
