@@ -282,10 +282,13 @@ def check_items(items: Sequence[PutItem]) -> list[PutItem]:
     return items
 
 
-def decode_or_error(raw: Buffer, key_id: str) -> Block | BlockFormatError:
-    """Decode and verify; a damaged object is returned as its error, not raised."""
+def decode_or_error(
+    raw: Buffer, key_id: str, payload_digest: tuple[int, int, bytes] | None = None
+) -> Block | BlockFormatError:
+    """Decode and verify; a damaged object is returned as its error, not raised.
+    ``payload_digest``: see :func:`kvplugin.serde.decode`."""
     try:
-        return serde.decode(raw, key=key_id)
+        return serde.decode(raw, key=key_id, payload_digest=payload_digest)
     except BlockFormatError as exc:
         return exc
 

@@ -68,6 +68,7 @@ __all__ = [
     "arrow_stream",
     "decode",
     "encode",
+    "hash_payload",
     "prepare",
 ]
 
@@ -389,12 +390,21 @@ class _PartsSink:
         return b"".join(self._before), b"".join(self._after)
 
 
-def decode(data: Buffer, *, key: str | None = None, arrow_check: bool = False) -> Block:
+def decode(
+    data: Buffer,
+    *,
+    key: str | None = None,
+    arrow_check: bool = False,
+    payload_digest: tuple[int, int, bytes] | None = None,
+) -> Block:
     """Verify and parse one object; the payload is a view into ``data`` (zero-copy).
 
     ``key``, when given, must equal the object's recorded key: an intact object stored under
     the wrong name is as unusable as a corrupt one. ``arrow_check`` also validates the Arrow
-    stream with pyarrow (see the module docstring).
+    stream with pyarrow (see the module docstring). ``payload_digest`` is
+    ``(offset, length, xxh3_128 digest)`` of a byte range of ``data`` that the reader already
+    hashed (see :func:`hash_payload`); it stands in for the payload pass only when the range
+    is exactly the payload range verified here, otherwise the payload is hashed again.
     """
     view = _byte_view(data)
     meta_len, payload_off, payload_len = _check_envelope(view)
@@ -409,9 +419,27 @@ def decode(data: Buffer, *, key: str | None = None, arrow_check: bool = False) -
     if key is not None and meta.key != key:
         raise MetadataMismatch(f"object records key {meta.key!r}, expected {key!r}")
     payload = view[payload_off : payload_off + payload_len]
-    if xxhash.xxh3_128_digest(payload) != digest:
+    if payload_digest is not None and payload_digest[:2] == (payload_off, payload_len):
+        actual = payload_digest[2]
+    else:
+        actual = xxhash.xxh3_128_digest(payload)
+    if actual != digest:
         raise ChecksumMismatch("payload checksum mismatch")
     return Block(meta=meta, payload=payload, encoded=EncodedBlock((view,), view.nbytes))
+
+
+def hash_payload(data: Buffer) -> tuple[int, int, bytes] | None:
+    """``(offset, length, xxh3_128 digest)`` of the payload range an object's envelope claims,
+    or ``None`` when there is no plausible range. Nothing is verified here: it is the one
+    pass over the payload, done where the bytes land (an I/O thread, while the GIL is free),
+    and :func:`decode` accepts it for exactly the range it verifies."""
+    view = _byte_view(data)
+    if view.nbytes < ENVELOPE_SIZE:
+        return None
+    magic, _v, _f, _m, _t, off, length, _r, _ = _ENVELOPE.unpack_from(view, 0)
+    if magic != MAGIC or not (off > ENVELOPE_SIZE and length > 0 and off + length <= view.nbytes):
+        return None
+    return off, length, xxhash.xxh3_128_digest(view[off : off + length])
 
 
 def arrow_stream(data: Buffer) -> memoryview:
