@@ -282,31 +282,42 @@ class DiskConnector(StoreBase):
         job = loop.run_in_executor(
             self._executor, _write_object, path, tmp, enc, self.fsync, victims
         )
-        job.add_done_callback(functools.partial(self._write_done, sid, size))
+        # The caller waits on its own future, never on the job: a cancelled caller leaves
+        # the write to finish (or clean up) on its own, and _write_done keeps the index and
+        # the budget exact either way, then wakes the caller. (Like asyncio.shield, without
+        # a task or the shield's extra future and callbacks per store.)
+        waiter: asyncio.Future[None] = loop.create_future()
+        job.add_done_callback(functools.partial(self._write_done, sid, size, waiter))
         self._pending[sid] = job
         try:
-            # Shielded: a cancelled caller leaves the write to finish (or clean up) on its
-            # own, and _write_done keeps the index and the budget exact either way. (The
-            # executor future itself, not a task around it: one task less per store.)
-            await asyncio.shield(job)
+            await waiter
         except OSError as exc:
             raise _os_error(exc, f"writing {path}") from exc
         return PutOutcome.WRITTEN
 
-    def _write_done(self, sid: str, size: int, task: asyncio.Future[None]) -> None:
+    def _write_done(
+        self, sid: str, size: int, waiter: asyncio.Future[None], job: asyncio.Future[None]
+    ) -> None:
         """Runs on the loop when a write job ends, before any waiter resumes."""
         self._reserved -= size
-        if self._pending.get(sid) is task:
+        if self._pending.get(sid) is job:
             del self._pending[sid]
-        if task.cancelled():
+        exc = None if job.cancelled() else job.exception()
+        if job.cancelled() or exc is not None:
+            if exc is not None:
+                logger.debug("%s: writing %s failed: %s", self.name, sid, exc)
+        else:
+            self._forget(sid)  # an overwrite replaced the file
+            self._index[sid] = size
+            self._used += size
+        if waiter.done():  # the caller was cancelled: nobody to tell
             return
-        exc = task.exception()  # also marks it retrieved when nobody waits any more
-        if exc is not None:
-            logger.debug("%s: writing %s failed: %s", self.name, sid, exc)
-            return
-        self._forget(sid)  # an overwrite replaced the file
-        self._index[sid] = size
-        self._used += size
+        if job.cancelled():
+            waiter.cancel()
+        elif exc is not None:
+            waiter.set_exception(exc)
+        else:
+            waiter.set_result(None)
 
     async def _remove(self, ids: list[str]) -> int:
         if not self._ready:
