@@ -189,7 +189,9 @@ class RedisConnector(StoreBase):
         """Send packed commands on one pooled connection and read one reply each."""
         conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            await conn.send_packed_command([c for cmd in commands for c in cmd])
+            # No per-send health check: the pool has none configured, and a broken
+            # connection fails this send, which is retried.
+            await conn.send_packed_command([c for cmd in commands for c in cmd], False)
             return [await conn.read_response() for _ in commands]
         except BaseException:
             # Replies may be left unread (an error reply, a cancellation): never reuse it.
@@ -258,6 +260,33 @@ class _GatherWrites:
     """
 
     _writer: asyncio.StreamWriter | None
+    socket_timeout: float | None
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[Buffer], check_health: bool = True
+    ) -> None:
+        """redis-py's send under ``asyncio.timeout`` instead of ``asyncio.wait_for``, which on
+        Python 3.11 wraps every send in a new task; same errors, same disconnects."""
+        base: Any = super()
+        if (
+            not self.socket_timeout
+            or self._writer is None
+            or check_health
+            or isinstance(command, bytes | str)
+        ):
+            return await base.send_packed_command(command, check_health)  # type: ignore[no-any-return]
+        try:
+            async with asyncio.timeout(self.socket_timeout):
+                await self._send_packed_command(command)
+        except TimeoutError:
+            await base.disconnect(nowait=True)
+            raise rexc.TimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await base.disconnect(nowait=True)
+            raise rexc.ConnectionError(f"Error while writing to socket: {exc}") from exc
+        except BaseException:
+            await base.disconnect(nowait=True)
+            raise
 
     async def _send_packed_command(self, command: Iterable[Buffer]) -> None:
         writer = self._writer
