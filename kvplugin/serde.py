@@ -149,21 +149,26 @@ class BlockMeta:
     def __post_init__(self) -> None:
         # Runs on every load too, so the common case is a handful of cheap checks; the
         # detailed messages are built only when something is wrong.
-        strings = (self.key, self.tenant, self.model, self.layout, self.kind, self.dtype)
-        ints = (self.group, self.token_start, self.token_end)
+        # Plain loops, not all() over generators: this is on every load's path.
+        for v in (self.key, self.tenant, self.model, self.layout, self.kind, self.dtype):
+            if type(v) is not str or not v:
+                self._explain()
+        for n in (self.group, self.token_start, self.token_end):
+            if type(n) is not int or not 0 <= n < _MAX_INT:
+                self._explain()
         shape = self.shape
         if not (
-            all(type(v) is str and v for v in strings)
-            and all(type(v) is int and 0 <= v < _MAX_INT for v in ints)
-            and self.group < 1 << 32
+            self.group < 1 << 32
             and self.token_start <= self.token_end
             and (self.boundary is None or _is_uint(self.boundary))
             and type(shape) is tuple
             and shape
-            and all(type(d) is int and d > 0 for d in shape)
             and self.dtype in DTYPE_SIZES
         ):
             self._explain()
+        for d in shape:
+            if type(d) is not int or d <= 0:
+                self._explain()
 
     def _explain(self) -> None:
         for name in ("key", "tenant", "model", "layout", "kind", "dtype"):
@@ -537,7 +542,7 @@ def _column(width: int) -> pa.Field:
 
 def _meta_from_json(raw: Buffer) -> tuple[BlockMeta, bytes]:
     try:
-        doc = json.loads(bytes(raw))
+        doc = json.loads(str(raw, "utf-8"))  # a str skips json's encoding detection
         if doc.pop("format_version") != FORMAT_VERSION:
             raise UnknownFormatVersion("metadata format version differs from the envelope's")
         digest = bytes.fromhex(doc.pop("payload_xxh3_128"))
