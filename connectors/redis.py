@@ -298,13 +298,13 @@ class _GatherWrites:
             raise
 
     async def read_values(self) -> list[Buffer | None]:
-        """One RESP2 array-of-bulk-strings reply (``MGET``), each value a view of the bytes
-        read. redis-py's parser copies every value twice more (``(tail + data)[:-2]``): two
-        extra copies of a 1 MiB object on the event loop. Errors are redis-py's: a reply
-        error raises its exception class, a timeout ``TimeoutError``, a closed connection
-        ``ConnectionError``; the caller disconnects on any of them."""
+        """One ``MGET`` reply (an array of bulk strings or nulls; RESP2 or RESP3), each value
+        a view of the bytes read: redis-py's parser copies every value once more
+        (``data[:-2]``), one more 1 MiB copy per object on the event loop. Errors are
+        redis-py's: an error reply raises its exception class, a timeout ``TimeoutError``, a
+        closed connection ``ConnectionError``; the caller disconnects on any of them."""
         reader = self._reader
-        if reader is None or self.protocol != 2:  # pragma: no cover - RESP3 or not connected
+        if reader is None or self.protocol not in (2, 3):  # pragma: no cover - not connected
             base: Any = super()
             return await base.read_response()  # type: ignore[no-any-return]
         try:
@@ -343,6 +343,9 @@ async def _read_bulk_array(reader: asyncio.StreamReader) -> list[Buffer | None]:
     values: list[Buffer | None] = []
     for _ in range(int(line[1:-2])):
         line = await reader.readuntil(b"\r\n")
+        if line == b"_\r\n":  # RESP3 null
+            values.append(None)
+            continue
         if line[:1] != b"$":
             raise rexc.InvalidResponse(f"expected a bulk string, got {line[:32]!r}")
         n = int(line[1:-2])
