@@ -181,10 +181,10 @@ class Replayer:
 
     # ------------------------------------------------------------------ helpers
     def _req(self, op: dict[str, Any]) -> Request:
-        req = self.requests.get(op.get("id"))  # type: ignore[arg-type]
-        if req is None:  # also a missing "id"
-            raise TraceError(f"unknown or removed request id {op.get('id')!r}")
-        return req
+        try:
+            return self.requests[op["id"]]
+        except (KeyError, TypeError):  # unknown, removed or missing id
+            raise TraceError(f"unknown or removed request id {op.get('id')!r}") from None
 
     def _free(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()
@@ -423,9 +423,10 @@ class Replayer:
         return {"free_block_ids": [b.block_id for b in q]} if record else None
 
     def apply(self, op: dict[str, Any], record: bool = True) -> dict[str, Any] | None:
-        handler = self.handlers.get(op.get("op"))  # type: ignore[arg-type]
-        if handler is None:
-            raise TraceError(f"unknown op {op.get('op')!r}")
+        try:
+            handler = self.handlers[op["op"]]
+        except (KeyError, TypeError):
+            raise TraceError(f"unknown op {op.get('op')!r}") from None
         return handler(op, record)
 
 
