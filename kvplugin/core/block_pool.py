@@ -94,9 +94,6 @@ class BlockHashToBlockMap:
             del self._extra[key]
         return block
 
-    def has_duplicates(self, key: BlockHashWithGroupId) -> bool:
-        return key in self._extra
-
     def keys(self) -> Iterable[BlockHashWithGroupId]:
         return self._cache.keys()
 
