@@ -429,6 +429,13 @@ class StoreBase(Guarded, Connector):
         pairs = zip(keys, raws, strict=True)
         return [None if raw is None else decode_or_error(raw, k.id) for k, raw in pairs]
 
+    def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
+        """Serve what can be served without waiting, on the loop and before the deadline
+        starts (memory, or the page cache): the loaded items (``None`` where not served) and
+        the positions left for :meth:`_load`. Must not block and must not raise for
+        backend trouble."""
+        return [None] * len(keys), range(len(keys))
+
     def _encode(self, block: Block) -> Encoded:
         """What :meth:`put` hands to :meth:`_store` for ``block``. A store that can hash the
         payload where it writes it (off the event loop) returns a draft; see :func:`finish`."""
@@ -472,8 +479,16 @@ class StoreBase(Guarded, Connector):
         deadline = Deadline(time.monotonic() + timeout)
         if not keys:
             return []
-        misses: list[Loaded] = [None] * len(keys)
-        loaded = await self._read("get", self._load(keys), timeout, misses)
+        loaded, rest = self._load_now(keys)
+        if rest:
+            sub = [keys[i] for i in rest]
+            misses: list[Loaded] = [None] * len(sub)
+            more = await self._read("get", self._load(sub), timeout, misses)
+            if len(rest) == len(keys):
+                loaded = more
+            else:
+                for i, item in zip(rest, more, strict=True):
+                    loaded[i] = item
         corrupt: list[str] = []
         out = [self._accept(key, item, corrupt) for key, item in zip(keys, loaded, strict=True)]
         if corrupt:

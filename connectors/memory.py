@@ -10,11 +10,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from connectors.base import Capabilities, Encoded, PutOutcome, StoreBase, finish
+from connectors.base import (
+    Capabilities,
+    Encoded,
+    Loaded,
+    PutOutcome,
+    StoreBase,
+    decode_or_error,
+    finish,
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from typing_extensions import Buffer
 
+    from connectors.keys import ObjectKey
     from kvplugin.serde import EncodedBlock
 
 __all__ = ["MemoryConnector"]
@@ -59,6 +70,19 @@ class MemoryConnector(StoreBase):
                 self._objects.move_to_end(sid)
             out.append(data)
         return out
+
+    def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
+        # Everything is here: decoded (and verified) on the loop, no deadline to arm.
+        out: list[Loaded] = []
+        objects = self._objects
+        for key in keys:
+            data = objects.get(key.id)
+            if data is None:
+                out.append(None)
+            else:
+                objects.move_to_end(key.id)
+                out.append(decode_or_error(data, key.id))
+        return out, ()
 
     async def _store(
         self, items: list[tuple[str, Encoded]], *, overwrite: bool
