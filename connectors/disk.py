@@ -59,6 +59,7 @@ from connectors.base import (
     finish,
 )
 from connectors.keys import NS_HEX_LEN, ObjectKey
+from connectors.nowait import NoWaitReader
 from kvplugin import serde
 from kvplugin.serde import Block, BlockFormatError
 
@@ -92,12 +93,17 @@ class DiskConnector(StoreBase):
         capacity_bytes: int,
         fsync: bool = False,
         io_threads: int = 4,
+        inline_read_bytes: int = 4 << 20,
         name: str = "disk",
     ) -> None:
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if type(io_threads) is not int or io_threads < 1:
             raise ValueError(f"io_threads must be a positive int, got {io_threads!r}")
+        if type(inline_read_bytes) is not int or inline_read_bytes < 0:
+            raise ValueError(
+                f"inline_read_bytes must be a non-negative int, got {inline_read_bytes!r}"
+            )
         super().__init__(
             name=name,
             capabilities=Capabilities(
@@ -115,6 +121,10 @@ class DiskConnector(StoreBase):
         self._started: asyncio.Task[None] | None = None
         self._ready = False
         self._tmp_names = itertools.count()
+        # Cached reads on the loop: at most this many bytes per call (0: never).
+        self.inline_read_bytes = inline_read_bytes
+        self._nowait = NoWaitReader.create() if inline_read_bytes else None
+        self.inline_reads = 0  # loads served on the loop from the page cache
 
     # lifecycle ----------------------------------------------------------------------------
 
@@ -201,6 +211,36 @@ class DiskConnector(StoreBase):
             None if r is None else decode_or_error(r[0], sid, r[1])
             for sid, r in zip(ids, reads, strict=True)
         ]
+
+    def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
+        """Load on the loop what the kernel can serve from memory without waiting (see
+        :mod:`connectors.nowait`), at most ``inline_read_bytes`` per call; the rest goes to
+        the I/O threads.
+
+        The loop pays about as much per object either way (measured, 1 MiB: 62 us of loop
+        time through a thread, with the future hand-off and decoding, against 67 us inline),
+        so this saves the threads' CPU and the hand-off latency; the allowance bounds how
+        long one call holds the loop."""
+        out: list[Loaded] = [None] * len(keys)
+        reader, index = self._nowait, self._index
+        if reader is None or not reader.supported or not self._ready:
+            return out, range(len(keys))
+        left = self.inline_read_bytes
+        rest = []
+        for i, key in enumerate(keys):
+            sid = key.id
+            raw = reader.read(self.path_for(sid), left) if sid in index else None
+            if raw is None:
+                rest.append(i)
+                if not reader.supported:  # switched itself off: the threads do the rest
+                    rest.extend(range(i + 1, len(keys)))
+                    break
+                continue
+            left -= raw.nbytes
+            self.inline_reads += 1
+            index.move_to_end(sid)
+            out[i] = decode_or_error(raw, sid)
+        return out, rest
 
     async def _reads(
         self, ids: list[str], run: Callable[..., Awaitable[T | None]]

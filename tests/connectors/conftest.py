@@ -62,7 +62,7 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
     server.kill()
 
 
-KINDS = ["memory", "disk", "redis", "tiered"]
+KINDS = ["memory", "disk", "disk_threads", "redis", "tiered"]
 VARIANTS = KINDS + [f"benign-{k}" for k in KINDS] + [f"faulty-{k}" for k in KINDS]
 
 
@@ -70,7 +70,8 @@ VARIANTS = KINDS + [f"benign-{k}" for k in KINDS] + [f"faulty-{k}" for k in KIND
 def make_connector(
     request: pytest.FixtureRequest, tmp_path: os.PathLike[str]
 ) -> Callable[[str], Connector]:
-    """Build a connector of one kind (memory, disk, redis, tiered) on fresh storage."""
+    """Build a connector of one kind (memory, disk, disk_threads, redis, tiered) on fresh
+    storage."""
     counter = iter(range(1000))
 
     def build(kind: str) -> Connector:
@@ -79,6 +80,10 @@ def make_connector(
             return MemoryConnector(capacity_bytes=64 * MIB)
         if kind == "disk":
             return DiskConnector(os.path.join(tmp_path, f"disk{n}"), capacity_bytes=64 * MIB)
+        if kind == "disk_threads":  # every read on the I/O threads (no page-cache fast path)
+            return DiskConnector(
+                os.path.join(tmp_path, f"disk{n}"), capacity_bytes=64 * MIB, inline_read_bytes=0
+            )
         if kind == "redis":
             server = request.getfixturevalue("redis_server")
             return RedisConnector(redis_options(server.url))

@@ -254,7 +254,8 @@ async def test_read_errors_are_misses(
     tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     items = make_items(namespace(), 2)
-    async with DiskConnector(os.path.join(tmp_path, "d"), capacity_bytes=1 << 20) as conn:
+    root = os.path.join(tmp_path, "d")
+    async with DiskConnector(root, capacity_bytes=1 << 20, inline_read_bytes=0) as conn:
         await conn.put(items, timeout=T)
 
         def failing(path: str) -> None:
