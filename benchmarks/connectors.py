@@ -210,6 +210,7 @@ async def bench_disk(
         capacity_bytes=1 << 40,
         fsync=args.fsync,
         io_threads=args.io_threads,
+        inline_read_bytes=args.inline_read_bytes,
     )
     await conn.start()
     payloads = [memoryview(block.payload) for _, block in items]
@@ -246,6 +247,8 @@ async def bench_disk(
     finally:
         await conn.aclose()
         pool.shutdown()
+    loads = args.rounds * len(items)
+    print(f"disk loads served from the page cache on the loop: {conn.inline_reads}/{loads}")
     return store, load
 
 
@@ -293,6 +296,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--io-threads", type=int, default=4, help="disk thread pool size")
     p.add_argument("--fsync", action="store_true", help="fsync files and directories")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument(
+        "--inline-read-bytes",
+        type=int,
+        default=4 * MIB,
+        help="DiskConnector page-cache reads on the loop, bytes per call (0: all on threads)",
+    )
     p.add_argument("--chunk", type=int, default=8, help="objects per alternating chunk")
     p.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio")
     args = p.parse_args(argv)
@@ -319,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result.update(
         concurrency=args.concurrency,
         fsync=args.fsync,
+        inline_read_bytes=args.inline_read_bytes,
         rounds=args.rounds,
         loop="uvloop" if args.uvloop else "asyncio",
         seconds=round(time.perf_counter() - start, 1),
