@@ -10,7 +10,8 @@ sides:
 * Disk — raw: temp file write + rename, and a whole-file read into a pooled buffer (the
   connector's read path), one job per object on a thread pool of the same size, with the
   same fsync policy. Connector: ``DiskConnector.put``/``get`` (the same I/O plus encoding,
-  verification, the index and the budget).
+  verification, the index and the budget; loads of objects in the page cache are copied on
+  the loop without a thread hand-off, ``--inline-read-bytes 0`` measures the threaded path).
 
 Every object moves once per round, one object per call, ``--concurrency`` calls in flight.
 Within a round the two sides alternate in chunks of ``--chunk`` objects (the side that goes

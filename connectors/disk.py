@@ -15,8 +15,16 @@ hex, so no name from a request can reach the file system.
 * **Failures stay local.** ENOSPC/EDQUOT become :class:`StorageFull`, EACCES/EPERM/EROFS
   :class:`StoragePermissionError`, the temp file is removed and the index is unchanged.
 
-Blocking file I/O runs on a dedicated thread pool (``aiofiles`` wrappers, and the executor
-directly for stores); each object is one executor job (open, write, fsync, rename; or open,
+* **Loads from the page cache run on the loop.** A load first tries
+  :class:`~connectors.nowait.NoWaitReader`, which opens and reads the file only if the
+  kernel can serve every path component and every byte from memory, and refuses at once
+  otherwise; refused objects go to the I/O threads. It never waits for the device, and at
+  most ``inline_read_bytes`` (default 4 MiB) are copied on the loop per call. A hot object
+  costs the loop about what the thread hand-off alone would (and saves the thread), so a
+  warm disk tier loads at memory-copy speed. ``inline_read_bytes=0`` turns it off.
+
+Everything else that touches the disk runs on a dedicated thread pool (``aiofiles``
+wrappers, and the executor directly for stores); each object is one executor job (open, write, fsync, rename; or open,
 read, verify) so a 1 MiB object costs one thread hand-off, not four. The payload checksum is
 computed on the I/O thread, next to the write or read (xxh3 releases the GIL, so the event
 loop keeps running meanwhile): a store gets a :class:`~kvplugin.serde.DraftBlock` from the
