@@ -24,15 +24,15 @@ hex, so no name from a request can reach the file system.
   warm disk tier loads at memory-copy speed. ``inline_read_bytes=0`` turns it off.
 
 Everything else that touches the disk runs on a dedicated thread pool (``aiofiles``
-wrappers, and the executor directly for stores); each object is one executor job (open, write, fsync, rename; or open,
-read, verify) so a 1 MiB object costs one thread hand-off, not four. The payload checksum is
-computed on the I/O thread, next to the write or read (xxh3 releases the GIL, so the event
-loop keeps running meanwhile): a store gets a :class:`~kvplugin.serde.DraftBlock` from the
-loop and hashes its payload right before writing it; a load is verified right after its
-read (every load is verified). A store whose
-caller times out or is cancelled still completes or cleans up in the background and keeps
-the index exact. One connector per directory: concurrent processes on the same root are not
-coordinated.
+wrappers, and the executor directly for stores). Each object is one executor job (open,
+write, fsync, rename; or open, read, verify), so a 1 MiB object costs one thread hand-off,
+not four. The payload checksum is computed on the I/O thread, next to the write or read
+(xxh3 releases the GIL, so the event loop keeps running meanwhile): a store gets a
+:class:`~kvplugin.serde.DraftBlock` from the loop and hashes its payload right before
+writing it; a threaded load is verified right after its read (every load is verified). A
+store whose caller times out or is cancelled still completes or cleans up in the
+background and keeps the index exact. One connector per directory: concurrent processes
+on the same root are not coordinated.
 """
 
 from __future__ import annotations
