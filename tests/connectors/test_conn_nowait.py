@@ -10,6 +10,7 @@ import os
 import pytest
 from conn_testlib import T, make_items, namespace, same
 
+from connectors.base import PutItem
 from connectors.disk import DiskConnector
 from connectors.nowait import NoWaitReader
 
@@ -35,6 +36,11 @@ def evict_from_page_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+async def assert_all_load(conn: DiskConnector, items: list[PutItem]) -> None:
+    got = await conn.get([k for k, _ in items], timeout=T)
+    assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
 
 
 def test_reader_returns_cached_files_whole_and_nothing_else(tmp_path: os.PathLike[str]) -> None:
@@ -76,8 +82,7 @@ async def test_cached_objects_load_on_the_loop(tmp_path: os.PathLike[str]) -> No
     items = make_items(namespace(), 4, nbytes=64 * KIB)
     async with DiskConnector(os.path.join(tmp_path, "d"), capacity_bytes=1 << 24) as conn:
         await conn.put(items, timeout=T)
-        got = await conn.get([k for k, _ in items], timeout=T)
-        assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
+        await assert_all_load(conn, items)
         assert conn.inline_reads == 4
         assert conn.stats().hits == 4
 
@@ -90,8 +95,7 @@ async def test_uncached_objects_go_to_the_threads(tmp_path: os.PathLike[str]) ->
         await conn.put(items, timeout=T)
         for key, _ in items[1:3]:
             evict_from_page_cache(conn.path_for(key.id))
-        got = await conn.get([k for k, _ in items], timeout=T)
-        assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
+        await assert_all_load(conn, items)
         assert conn.inline_reads == 2, "the two evicted objects were read on the threads"
         # The threaded read brought them back into the page cache.
         await conn.get([k for k, _ in items], timeout=T)
@@ -108,8 +112,7 @@ async def test_the_allowance_bounds_inline_bytes_per_call(tmp_path: os.PathLike[
         await conn.put(items, timeout=T)
         object_bytes = os.path.getsize(conn.path_for(items[0][0].id))
         assert 2 * object_bytes <= 150 * KIB < 3 * object_bytes
-        got = await conn.get([k for k, _ in items], timeout=T)
-        assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
+        await assert_all_load(conn, items)
         assert conn.inline_reads == 2
         for key, _ in items:  # one object per call: each call has its own allowance
             await conn.get([key], timeout=T)
@@ -149,8 +152,7 @@ async def test_switched_off_reader_falls_back_for_good(tmp_path: os.PathLike[str
 
         conn._nowait = NoWaitReader(refusing)
         for _ in range(3):
-            got = await conn.get([k for k, _ in items], timeout=T)
-            assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
+            await assert_all_load(conn, items)
         assert len(calls) == 1 and conn.inline_reads == 0
 
 
