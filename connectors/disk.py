@@ -31,8 +31,12 @@ not four. The payload checksum is computed on the I/O thread, next to the write 
 :class:`~kvplugin.serde.DraftBlock` from the loop and hashes its payload right before
 writing it; a threaded load is verified right after its read (every load is verified). A
 store whose caller times out or is cancelled still completes or cleans up in the
-background and keeps the index exact. One connector per directory: concurrent processes
-on the same root are not coordinated.
+background and keeps the index exact.
+
+One connector per directory, enforced: an open connector holds an exclusive ``flock`` on
+``<root>/.kvplugin.lock``, and a second one (in any process) fails to start with
+:class:`DirectoryInUse`, which names the holder's pid. The kernel releases the lock when
+its holder exits, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import functools
 import itertools
 import logging
@@ -79,17 +84,22 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["DiskConnector"]
+__all__ = ["DirectoryInUse", "DiskConnector"]
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
+LOCK_NAME = ".kvplugin.lock"
 _CLOSE_WAIT = 30.0  # seconds aclose() waits for writes in flight
 _NS_RE = re.compile(r"[0-9a-f]{32}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _FILE_RE = re.compile(r"[0-9a-f]{64}\.kvb")
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+class DirectoryInUse(BackendUnavailable):
+    """Another open DiskConnector (in this or another process) holds the directory."""
 
 
 class DiskConnector(StoreBase):
@@ -132,6 +142,7 @@ class DiskConnector(StoreBase):
         self._started: asyncio.Task[None] | None = None
         self._ready = False
         self._tmp_names = itertools.count()
+        self._lock_fd: int | None = None  # holds the directory's flock while open
         # Cached reads on the loop: at most this many bytes per call (0: never).
         self.inline_read_bytes = inline_read_bytes
         self._nowait = NoWaitReader.create() if inline_read_bytes else None
@@ -150,10 +161,17 @@ class DiskConnector(StoreBase):
 
     async def _scan(self) -> None:
         try:
-            found, temps = await _scan_async(self.root, executor=self._executor)
+            lock_fd, found, temps = await _lock_and_scan_async(self.root, executor=self._executor)
         except OSError as exc:
             self._started = None  # let a later call retry
             raise _os_error(exc, f"scanning {self.root}") from exc
+        except ConnectorError:
+            self._started = None  # e.g. the directory's owner exits later
+            raise
+        if self._closed:  # closed while the scan ran: let the directory go again
+            os.close(lock_fd)
+            return
+        self._lock_fd = lock_fd
         for sid, size in found:
             self._index[sid] = size
             self._used += size
@@ -178,6 +196,9 @@ class DiskConnector(StoreBase):
             if stuck:  # a hung device must not hang shutdown; the next start cleans up
                 logger.warning("%s: closing with %d writes still running", self.name, len(stuck))
         self._executor.shutdown(wait=False)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the directory
+            self._lock_fd = None
 
     @property
     def used_bytes(self) -> int:
@@ -423,9 +444,7 @@ class DiskConnector(StoreBase):
             raise _os_error(exc, "deleting objects") from exc
 
 
-def _call_on(
-    loop: asyncio.AbstractEventLoop, callback: Callable[[T], object], job: T
-) -> None:
+def _call_on(loop: asyncio.AbstractEventLoop, callback: Callable[[T], object], job: T) -> None:
     """Run ``callback(job)`` on ``loop`` (from a worker thread); a closed loop means the
     connector is gone and nobody is left to tell."""
     with contextlib.suppress(RuntimeError):
@@ -544,9 +563,44 @@ def _writable(root: str) -> bool:
     return os.path.isdir(root) and os.access(root, os.W_OK | os.X_OK)
 
 
+def _lock_and_scan(root: str) -> tuple[int, list[tuple[str, int]], int]:
+    """Take the directory (see :func:`_lock_root`), then scan it; the lock's descriptor is
+    returned, or closed if the scan fails."""
+    fd = _lock_root(root)
+    try:
+        return (fd, *_scan(root))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _lock_root(root: str) -> int:
+    """An exclusive ``flock`` on ``<root>/.kvplugin.lock``, held while the connector is open.
+
+    Two connectors on one directory would each count the budget alone, and each one's start
+    would delete the other's in-flight temp files. The kernel drops the lock when its holder
+    exits, killed or not, so a crash never leaves the directory locked."""
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise DirectoryInUse(
+            f"{root} is in use by another DiskConnector (pid {holder}); "
+            "give each connector its own directory"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _scan(root: str) -> tuple[list[tuple[str, int]], int]:
     """Committed objects under ``root`` (oldest first) and the number of temp files removed."""
-    os.makedirs(root, exist_ok=True)
     found: list[tuple[int, str, int]] = []
     temps = 0
     for ns in _subdirs(root, _NS_RE):
@@ -569,7 +623,7 @@ def _subdirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
 
 _unlink_async = aiofiles.os.wrap(_unlink_all)
 _writable_async = aiofiles.os.wrap(_writable)
-_scan_async = aiofiles.os.wrap(_scan)
+_lock_and_scan_async = aiofiles.os.wrap(_lock_and_scan)
 _fetch_async: Callable[..., Awaitable[memoryview | None]] = aiofiles.os.wrap(_fetch_file)
 _read_hashed_async: Callable[..., Awaitable[tuple[memoryview, PayloadDigest | None] | None]] = (
     aiofiles.os.wrap(_read_hashed)

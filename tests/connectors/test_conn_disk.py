@@ -17,7 +17,7 @@ from conn_testlib import T, chain, make_items, namespace, same
 
 from connectors import disk as disk_mod
 from connectors.base import BackendError, StorageFull, StoragePermissionError
-from connectors.disk import DiskConnector
+from connectors.disk import DirectoryInUse, DiskConnector
 from connectors.keys import ObjectKey
 from kvplugin.serde import Block, encode
 
@@ -152,6 +152,62 @@ async def test_restart_rebuilds_the_index_and_cleans_temp_files(tmp_path: os.Pat
         assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
         assert not os.path.exists(stray_tmp)
         assert os.path.exists(foreign), "files that are not ours are left alone"
+
+
+HOLDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from connectors.disk import DirectoryInUse, DiskConnector
+
+    async def main(root):
+        conn = DiskConnector(root, capacity_bytes=1 << 20)
+        await conn.start()
+        print("started", flush=True)
+        await asyncio.sleep(3600)  # until SIGKILL
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+async def test_a_directory_serves_one_connector_at_a_time(tmp_path: os.PathLike[str]) -> None:
+    root = os.path.join(tmp_path, "store")
+    items = make_items(namespace(), 2)
+    second = DiskConnector(root, capacity_bytes=1 << 20)
+    async with DiskConnector(root, capacity_bytes=1 << 20) as first:
+        await first.put(items[:1], timeout=T)
+        with pytest.raises(DirectoryInUse, match=f"pid {os.getpid()}"):
+            await second.put(items[1:], timeout=T)
+        assert await second.lookup([items[0][0]], timeout=T) == 0, "a read: a counted miss"
+        assert second.stats().errors == 2, "the failed put and the failed lookup"
+        assert "DirectoryInUse" in (await second.health(timeout=T)).detail
+        # The refused start touched nothing of the first connector's.
+        assert same((await first.get([items[0][0]], timeout=T))[0], items[0][1])
+    # Once the first one is closed, the second starts (no new object needed) and finds it.
+    assert await second.lookup([items[0][0]], timeout=T) == 1
+    assert await second.put(items[1:], timeout=T) == 1
+    await second.aclose()
+
+
+async def test_a_killed_holder_releases_the_directory(tmp_path: os.PathLike[str]) -> None:
+    root = os.path.join(tmp_path, "store")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, root],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "started\n", proc.stderr.read() if proc.stderr else ""
+        conn = DiskConnector(root, capacity_bytes=1 << 20)
+        with pytest.raises(DirectoryInUse, match=f"pid {proc.pid}"):
+            await conn.start()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    await conn.start()  # the kernel dropped the lock with the process
+    assert await conn.put(make_items(namespace(), 1), timeout=T) == 1
+    await conn.aclose()
 
 
 async def test_restart_with_a_smaller_budget_trims_oldest_first(tmp_path: os.PathLike[str]) -> None:
