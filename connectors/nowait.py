@@ -71,7 +71,10 @@ class NoWaitReader:
             syscall = libc.syscall
         except (OSError, AttributeError):
             return None
-        syscall.restype = ctypes.c_long
+        # syscall(2) is variadic and reads every argument as a long: pass longs, not ints.
+        long_ = ctypes.c_long
+        syscall.restype = long_
+        syscall.argtypes = [long_, long_, ctypes.c_char_p, ctypes.c_void_p, long_]
         return cls(syscall)
 
     def read(self, path: str, limit: int) -> memoryview | None:
