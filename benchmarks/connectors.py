@@ -8,7 +8,7 @@ sides:
   self-started ``redis-server``. Connector: ``RedisConnector.put``/``get`` (encode with
   both checksums, ``SET NX``; ``MGET``, verify, zero-copy decode).
 * Disk — raw: temp file write + rename, and a whole-file read into a pooled buffer (the
-  connector's read path), one job per object on a thread pool of the same size, with the
+  connector's threaded read path), one job per object on a thread pool of the same size, with the
   same fsync policy. Connector: ``DiskConnector.put``/``get`` (the same I/O plus encoding,
   verification, the index and the budget; loads of objects in the page cache are copied on
   the loop without a thread hand-off, ``--inline-read-bytes 0`` measures the threaded path).

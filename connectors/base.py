@@ -60,6 +60,7 @@ __all__ = [
     "check_items",
     "check_keys",
     "check_timeout",
+    "decode_all",
     "decode_or_error",
     "encode_once",
     "finish",
@@ -293,6 +294,12 @@ def decode_or_error(
         return exc
 
 
+def decode_all(keys: Sequence[ObjectKey], raws: Sequence[Buffer | None]) -> list[Loaded]:
+    """:func:`decode_or_error` for each stored object, ``None`` where nothing was stored."""
+    pairs = zip(keys, raws, strict=True)
+    return [None if raw is None else decode_or_error(raw, k.id) for k, raw in pairs]
+
+
 def _ids(keys: Sequence[ObjectKey]) -> list[str]:
     return [key.id for key in check_keys(keys)]
 
@@ -425,9 +432,7 @@ class StoreBase(Guarded, Connector):
     async def _load(self, keys: list[ObjectKey]) -> list[Loaded]:
         """Fetch and decode. A store may override it to decode where the bytes land
         (the disk store verifies on its I/O thread, next to the read)."""
-        raws = await self._fetch([k.id for k in keys])
-        pairs = zip(keys, raws, strict=True)
-        return [None if raw is None else decode_or_error(raw, k.id) for k, raw in pairs]
+        return decode_all(keys, await self._fetch([k.id for k in keys]))
 
     def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
         """Serve what can be served without waiting, on the loop and before the deadline
@@ -484,11 +489,8 @@ class StoreBase(Guarded, Connector):
             sub = [keys[i] for i in rest]
             misses: list[Loaded] = [None] * len(sub)
             more = await self._read("get", self._load(sub), timeout, misses)
-            if len(rest) == len(keys):
-                loaded = more
-            else:
-                for i, item in zip(rest, more, strict=True):
-                    loaded[i] = item
+            for i, item in zip(rest, more, strict=True):
+                loaded[i] = item
         corrupt: list[str] = []
         out = [self._accept(key, item, corrupt) for key, item in zip(keys, loaded, strict=True)]
         if corrupt:

@@ -16,7 +16,7 @@ from connectors.base import (
     Loaded,
     PutOutcome,
     StoreBase,
-    decode_or_error,
+    decode_all,
     finish,
 )
 
@@ -63,6 +63,14 @@ class MemoryConnector(StoreBase):
         return n
 
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
+        return self._take(ids)
+
+    def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
+        # Everything is here: decoded (and verified) on the loop, no deadline to arm.
+        return decode_all(keys, self._take([k.id for k in keys])), ()
+
+    def _take(self, ids: list[str]) -> list[Buffer | None]:
+        """The stored bytes per id (``None`` if absent); a hit refreshes its recency."""
         out: list[Buffer | None] = []
         for sid in ids:
             data = self._objects.get(sid)
@@ -70,19 +78,6 @@ class MemoryConnector(StoreBase):
                 self._objects.move_to_end(sid)
             out.append(data)
         return out
-
-    def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
-        # Everything is here: decoded (and verified) on the loop, no deadline to arm.
-        out: list[Loaded] = []
-        objects = self._objects
-        for key in keys:
-            data = objects.get(key.id)
-            if data is None:
-                out.append(None)
-            else:
-                objects.move_to_end(key.id)
-                out.append(decode_or_error(data, key.id))
-        return out, ()
 
     async def _store(
         self, items: list[tuple[str, Encoded]], *, overwrite: bool

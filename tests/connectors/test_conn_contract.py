@@ -238,8 +238,13 @@ async def test_health(subject: Subject) -> None:
 
 async def test_capabilities_are_declared(subject: Subject) -> None:
     caps = subject.conn.capabilities
-    expected = {"memory": "host", "disk": "disk", "disk_threads": "disk", "redis": "remote"}
-    expected["tiered"] = "tiered"
+    expected = {
+        "memory": "host",
+        "disk": "disk",
+        "disk_threads": "disk",
+        "redis": "remote",
+        "tiered": "tiered",
+    }
     assert caps.tier == expected[subject.kind]
     assert caps.persistent == (subject.kind != "memory")
     assert caps.shared == (subject.kind in ("redis", "tiered"))

@@ -20,6 +20,7 @@ from kvplugin import serde
 
 pytestmark = pytest.mark.asyncio
 DAMAGES = 1000  # of each: flips and truncations
+STORE_KINDS = ["memory", "disk", "disk_threads", "redis"]  # every single-backend store
 
 
 def damage(raw: bytes, rng: random.Random, flip: bool) -> bytearray:
@@ -42,7 +43,7 @@ def objects(n_sizes: tuple[int, ...] = (64, 1000, 6000)) -> list[tuple[ObjectKey
     return out
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk", "disk_threads", "redis"])
+@pytest.mark.parametrize("kind", STORE_KINDS)
 async def test_random_flips_and_truncations_are_all_detected(
     kind: str, make_connector: Callable[[str], Connector]
 ) -> None:
@@ -103,7 +104,7 @@ async def test_tiered_serves_a_good_copy_past_a_damaged_one(
         assert tiered.stats().corrupt_detected == DAMAGES + len(tiers)
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk", "disk_threads", "redis"])
+@pytest.mark.parametrize("kind", STORE_KINDS)
 async def test_intact_object_under_the_wrong_key_is_rejected(
     kind: str, make_connector: Callable[[str], Connector]
 ) -> None:
@@ -123,7 +124,7 @@ async def test_intact_object_under_the_wrong_key_is_rejected(
         assert same((await conn.get([key_a], timeout=T))[0], block)
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk", "disk_threads", "redis"])
+@pytest.mark.parametrize("kind", STORE_KINDS)
 async def test_unknown_format_version_is_a_counted_miss(
     kind: str, make_connector: Callable[[str], Connector]
 ) -> None:
