@@ -49,8 +49,15 @@ trace = json.load(open(trace_path))
 ops = trace["ops"]
 clk = time.process_time if clock == "cpu" else time.perf_counter
 runs = []
+if side != "vllm":  # validated once, up front, as `kvplugin replay --bench` does
+    from kvplugin.replay import check_ops
+
+    bad = check_ops(ops)
+    if bad is not None:
+        raise bad[1]
 for _ in range(int(repeats)):
-    apply = make(trace.get("config", {})).apply
+    rep = make(trace.get("config", {}))
+    apply = rep.apply if side == "vllm" else rep.dispatch
     t0 = clk()
     for op in ops:
         apply(op, False)

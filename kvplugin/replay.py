@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
@@ -28,46 +30,40 @@ from kvplugin.core.specs import (
     SlidingWindowSpec,
     resolve_kv_cache_block_sizes,
 )
+from kvplugin.trace_format import (
+    DEFAULT_CONFIG,
+    FORMAT_RESULT,
+    FORMAT_TRACE,
+    SUPPORTED_HASH_FNS,
+    TraceError,
+    UnsupportedTraceError,
+    check_config,
+    check_op,
+    check_ops,
+    check_trace_keys,
+)
 
-FORMAT_TRACE = "vllm-kv-oracle-trace/v1"
-FORMAT_RESULT = "vllm-kv-oracle-result/v1"
+__all__ = [
+    "FORMAT_RESULT",
+    "FORMAT_TRACE",
+    "Replayer",
+    "TraceError",
+    "UnsupportedTraceError",
+    "bench",
+    "check_op",
+    "check_ops",
+    "dump_result",
+    "load_trace",
+    "run_trace",
+]
+
 VLLM_VERSION = "0.33.0"  # the behaviour kvplugin's core reproduces
 
-DEFAULT_CONFIG: dict[str, Any] = {
-    "block_size": 16,
-    "num_blocks": 256,
-    "groups": [{"kind": "full"}],
-    "enable_caching": True,
-    "max_model_len": 8192,
-    "max_in_flight_tokens": None,
-    "watermark": 0.0,
-    "use_eagle": False,
-    "hash_fn": "sha256_cbor",
-    "none_hash_seed": None,
-    "log_stats": True,
-    "enable_kv_cache_events": True,
-    "prefix_match_unit": None,
-    "prefix_cache_retention_interval": None,
-    "num_hash_lookahead_tokens": 0,
-    "enable_mamba_shared_prefix_checkpoint": False,
-    "record_block_tables": False,
-    "record_block_hashes": True,
-    "events_full_token_ids": False,
-}
-SUPPORTED_HASH_FNS = ("sha256_cbor", "sha256")
 COORDINATOR_NAMES = {
     "KVCacheCoordinatorNoPrefixCache": "KVCacheCoordinatorNoPrefixCache",
     "UnitaryKVCacheCoordinator": "UnitaryKVCacheCoordinator",
     "HybridKVCacheCoordinator": "HybridKVCacheCoordinator",
 }
-
-
-class TraceError(Exception):
-    """The trace itself is malformed or inconsistent (not a manager decision)."""
-
-
-class UnsupportedTraceError(TraceError):
-    """The trace needs a feature this build does not implement (e.g. a group kind)."""
 
 
 def hex16(h: bytes | int | None) -> str | None:
@@ -117,9 +113,7 @@ class Replayer:
     """One manager plus the scheduler-side request bookkeeping a trace assumes."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        unknown = set(config) - set(DEFAULT_CONFIG)
-        if unknown:
-            raise TraceError(f"unknown config keys: {sorted(unknown)}")
+        check_config(config)
         cfg = {**DEFAULT_CONFIG, **config}
         if cfg["hash_fn"] not in SUPPORTED_HASH_FNS:
             raise TraceError(f"hash_fn must be one of {SUPPORTED_HASH_FNS}")
@@ -157,6 +151,8 @@ class Replayer:
         self.requests: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.lookups: dict[str, tuple[KVCacheBlocks, int]] = {}
+        # pop_blocks_for_free results not yet freed, oldest first, per request id.
+        self.popped: dict[str, deque[list[KVCacheBlock]]] = {}
         self.loras: dict[str, LoRAInfo] = {}
         self.record_tables = bool(cfg["record_block_tables"])
         self.record_hashes = bool(cfg["record_block_hashes"])
@@ -186,6 +182,13 @@ class Replayer:
         except (KeyError, TypeError):  # unknown, removed or missing id
             raise TraceError(f"unknown or removed request id {op.get('id')!r}") from None
 
+    def _known_id(self, op: dict[str, Any]) -> str:
+        """An id the trace added (it may be finished or forgotten since)."""
+        rid: str = op["id"]
+        if rid not in self.tokens:
+            raise TraceError(f"unknown request id {rid!r}")
+        return rid
+
     def _free(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()
 
@@ -209,12 +212,17 @@ class Replayer:
     def _lora(self, op: dict[str, Any]) -> LoRAInfo | None:
         name = op.get("lora_name")
         if name is None:
+            if "lora_int_id" in op or "lora_path" in op:
+                raise TraceError("lora_int_id / lora_path without a lora_name")
             return None
         lora = self.loras.get(name)
         if lora is None:
             lora = LoRAInfo(name, int(op.get("lora_int_id", len(self.loras) + 1)),
                             str(op.get("lora_path", f"/loras/{name}")))
             self.loras[name] = lora
+        elif op.get("lora_int_id", lora.lora_int_id) != lora.lora_int_id or \
+                op.get("lora_path", lora.lora_path) != lora.lora_path:
+            raise TraceError(f"LoRA {name!r} was defined with another id or path")
         return lora
 
     def _hashes(self, req: Request, before: int) -> dict[str, Any]:
@@ -273,7 +281,7 @@ class Replayer:
     def op_get_computed_blocks(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
         req = self._req(op)
         blocks, n, boundary = self.manager.get_computed_blocks(req, op.get("max_cache_hit_length"))
-        if op.get("set_shared_prefix_boundary", True):
+        if op.get("set_shared_prefix_boundary", True):  # the scheduler stores it
             req.shared_prefix_boundary = boundary
         self.lookups[req.request_id] = (blocks, n)
         if not record:
@@ -281,23 +289,67 @@ class Replayer:
         return {"num_computed_tokens": n, "block_ids": _list_ids(blocks),
                 "shared_prefix_boundary": boundary}
 
+    def op_get_computed_blocks_for_connector(self, op: dict[str, Any],
+                                             record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        blocks, n, boundary, diverged = self.manager.get_computed_blocks_for_connector(
+            req, op.get("max_cache_hit_length"))
+        req.shared_prefix_boundary = boundary
+        self.lookups[req.request_id] = (blocks, n)
+        if not record:
+            return None
+        return {"num_computed_tokens": n, "block_ids": _list_ids(blocks),
+                "shared_prefix_boundary": boundary, "hit_diverged": diverged}
+
+    def op_truncate_computed_blocks(self, op: dict[str, Any],
+                                    record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        pending = self.lookups.get(req.request_id)
+        if pending is None:
+            raise TraceError("truncate_computed_blocks without a pending lookup")
+        n = op["num_computed_tokens"]
+        blocks = self.manager.truncate_computed_blocks(pending[0], n)
+        self.lookups[req.request_id] = (blocks, n)
+        return {"block_ids": _list_ids(blocks)} if record else None
+
+    def _computed_blocks(self, op: dict[str, Any], rid: str) -> KVCacheBlocks | None:
+        """The ``new_computed_blocks`` an allocate_slots op names: the pending lookup, the
+        manager's shared empty ``KVCacheBlocks``, or None."""
+        source = op.get("new_computed_blocks")
+        if op.get("use_lookup", False):
+            if source is not None and source != "lookup":
+                raise TraceError(f"use_lookup contradicts new_computed_blocks={source!r}")
+            source = "lookup"
+        if source == "lookup":
+            if rid not in self.lookups:
+                raise TraceError("use_lookup without a preceding get_computed_blocks")
+            return self.lookups[rid][0]
+        return self.manager.empty_kv_cache_blocks if source == "empty" else None
+
     def op_allocate_slots(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
         req = self._req(op)
         rid = req.request_id
-        get = op.get
         hits = None
-        if get("use_lookup", False):
-            if rid not in self.lookups:
-                raise TraceError("use_lookup without a preceding get_computed_blocks")
-            hits = self.lookups[rid][0]
+        if "new_computed_blocks" in op or "use_lookup" in op:
+            hits = self._computed_blocks(op, rid)
         if self.lookups:
             self.lookups.pop(rid, None)
         # Positional, in allocate_slots' parameter order; the core validates the counts.
+        # Most fields are absent from most ops, and on this hot path a membership test is
+        # cheaper than op.get (it keeps the replay at the cost it had before the connector
+        # fields were added).
         blocks = self.manager.allocate_slots(
-            req, op["num_new_tokens"], get("num_new_computed_tokens", 0), hits,
-            get("num_lookahead_tokens", 0), 0, get("delay_cache_blocks", False), 0,
-            get("full_sequence_must_fit", False), get("reserved_blocks", 0),
-            get("has_scheduled_reqs", True))
+            req, op["num_new_tokens"],
+            op["num_new_computed_tokens"] if "num_new_computed_tokens" in op else 0,  # noqa: SIM401
+            hits,
+            op["num_lookahead_tokens"] if "num_lookahead_tokens" in op else 0,  # noqa: SIM401
+            op["num_external_computed_tokens"] if "num_external_computed_tokens" in op  # noqa: SIM401
+            else 0,
+            "delay_cache_blocks" in op and op["delay_cache_blocks"], 0,
+            "full_sequence_must_fit" in op and op["full_sequence_must_fit"],
+            op["reserved_blocks"] if "reserved_blocks" in op else 0,  # noqa: SIM401
+            "has_scheduled_reqs" not in op or op["has_scheduled_reqs"],
+            tuple(op["skip_zeroing_group_ids"]) if "skip_zeroing_group_ids" in op else ())
         if not record:
             return None
         res: dict[str, Any] = {"ok": blocks is not None,
@@ -385,11 +437,11 @@ class Replayer:
 
     def op_get_num_common_prefix_blocks(self, op: dict[str, Any],
                                         record: bool) -> dict[str, Any] | None:
-        r = self.manager.get_num_common_prefix_blocks(op["id"])
+        r = self.manager.get_num_common_prefix_blocks(self._known_id(op))
         return {"num_common_prefix_blocks": list(r)} if record else None
 
     def op_get_block_ids(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
-        ids = self.manager.get_block_ids(op["id"])
+        ids = self.manager.get_block_ids(self._known_id(op))
         return {"block_ids": [list(g) for g in ids]} if record else None
 
     def op_take_events(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
@@ -412,7 +464,7 @@ class Replayer:
                                       record: bool) -> dict[str, Any] | None:
         copies, retained = self.manager.take_kv_cache_block_copies()
         if op.get("free_retained", True) and retained:
-            self.manager.block_pool.free_blocks(retained)
+            self.manager.free_retained_blocks(retained)
         if not record:
             return None
         return {"copies": [[c.src_block_id, c.dst_block_id] for c in copies],
@@ -422,12 +474,79 @@ class Replayer:
         q = self.manager.block_pool.free_block_queue.get_all_free_blocks()
         return {"free_block_ids": [b.block_id for b in q]} if record else None
 
+    # ------------------------------------------------------------------ connector paths
+    def op_take_boundary_state_offloads(self, op: dict[str, Any],
+                                        record: bool) -> dict[str, Any] | None:
+        offloads = self.manager.take_boundary_state_offloads()
+        if not record:
+            return None
+        return {"offloads": {rid: [list(e) for e in entries]
+                             for rid, entries in offloads.items()}}
+
+    def op_finalize_partial_tail_offloads(self, op: dict[str, Any],
+                                          record: bool) -> dict[str, Any] | None:
+        offloads = self.manager.finalize_partial_tail_offloads(self._req(op))
+        return {"offloads": [list(e) for e in offloads]} if record else None
+
+    def op_remove_skipped_blocks(self, op: dict[str, Any],
+                                 record: bool) -> dict[str, Any] | None:
+        self.manager.remove_skipped_blocks(self._known_id(op), op["processed_computed_tokens"],
+                                           op.get("num_prompt_tokens"))
+        return {"num_free_blocks": self._free()} if record else None
+
+    def op_get_block_ids_for_computed_tokens(self, op: dict[str, Any],
+                                             record: bool) -> dict[str, Any] | None:
+        ids = self.manager.get_block_ids_for_computed_tokens(self._known_id(op),
+                                                             op["num_computed_tokens"])
+        return {"block_ids": [list(g) for g in ids]} if record else None
+
+    def op_estimate_cached_tokens(self, op: dict[str, Any],
+                                  record: bool) -> dict[str, Any] | None:
+        n = self.manager.estimate_cached_tokens(self._req(op))
+        return {"num_cached_tokens": n} if record else None
+
+    def op_evict_blocks(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        self.manager.evict_blocks(set(op["block_ids"]))
+        return {"num_free_blocks": self._free()} if record else None
+
+    def op_take_new_block_ids(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        ids = self.manager.take_new_block_ids()
+        return {"block_ids_to_zero": ids} if record else None
+
+    def op_record_blocks_for_zeroing(self, op: dict[str, Any],
+                                     record: bool) -> dict[str, Any] | None:
+        self.manager.record_blocks_for_zeroing(self._known_id(op), op["start_token"])
+        return {} if record else None
+
+    def op_pop_blocks_for_free(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        req = self._req(op)
+        blocks = self.manager.pop_blocks_for_free(req)
+        self.lookups.pop(req.request_id, None)
+        self.popped.setdefault(req.request_id, deque()).append(blocks)
+        if not record:
+            return None
+        return {"popped_block_ids": [b.block_id for b in blocks],
+                "num_free_blocks": self._free()}
+
+    def op_free_popped_blocks(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        rid = self._known_id(op)
+        pending = self.popped.get(rid)
+        if not pending:
+            raise TraceError(f"free_popped_blocks without a pending pop_blocks_for_free of "
+                             f"{rid!r}")
+        self.manager.free_popped_blocks(pending.popleft())
+        if not pending:
+            del self.popped[rid]
+        return {"num_free_blocks": self._free()} if record else None
+
     def apply(self, op: dict[str, Any], record: bool = True) -> dict[str, Any] | None:
-        try:
-            handler = self.handlers[op["op"]]
-        except (KeyError, TypeError):
-            raise TraceError(f"unknown op {op.get('op')!r}") from None
-        return handler(op, record)
+        """Validate one op (TraceError on anything unknown or ill-typed), then run it."""
+        return self.handlers[check_op(op)](op, record)
+
+    def dispatch(self, op: dict[str, Any], record: bool = True) -> dict[str, Any] | None:
+        """Run an op that :func:`check_ops` already accepted (the drivers validate a whole
+        trace once, up front, so the timed loop pays no per-op validation)."""
+        return self.handlers[op["op"]](op, record)
 
 
 # ----------------------------------------------------------------------------- drivers
@@ -436,25 +555,33 @@ class Replayer:
 def load_trace(path: str) -> dict[str, Any]:
     with open(path) as f:
         trace: dict[str, Any] = json.load(f)
-    if trace.get("format") != FORMAT_TRACE:
+    if type(trace) is not dict or trace.get("format") != FORMAT_TRACE:
         raise TraceError(f"{path}: expected format {FORMAT_TRACE!r}")
+    check_trace_keys(trace)
     return trace
 
 
 def run_trace(trace: dict[str, Any], stop_on_error: bool = False) -> dict[str, Any]:
     """Replay every op; a manager exception becomes an ``error`` result, a trace error stops."""
+    check_trace_keys(trace)
     rep = Replayer(trace.get("config", {}))
     results: list[dict[str, Any]] = []
     errors = 0
-    counts: dict[str, int] = {}
+    counts: dict[str | None, int] = {}
+    # Validate every op once; ops before the first malformed one replay, and it stops there
+    # (exactly as validating op by op would).
+    invalid = check_ops(trace["ops"])
+    bad_index = len(trace["ops"]) if invalid is None else invalid[0]
     for i, op in enumerate(trace["ops"]):
-        name = op.get("op")
+        name = op.get("op") if type(op) is dict else None
         counts[name] = counts.get(name, 0) + 1
         entry: dict[str, Any] = {"i": i, "op": name}
-        if "id" in op:
+        if type(op) is dict and "id" in op:
             entry["id"] = op["id"]
         try:
-            entry.update(rep.apply(op) or {})
+            if i == bad_index and invalid is not None:
+                raise invalid[1]
+            entry.update(rep.dispatch(op) or {})
         except Exception as e:
             errors += 1
             entry["error"] = f"{type(e).__name__}: {e}"
@@ -490,12 +617,18 @@ def dump_result(result: dict[str, Any], fp: TextIO) -> None:
 
 
 def bench(trace: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """Replay ``repeats`` times on fresh managers, timing only the replay loop."""
+    """Replay ``repeats`` times on fresh managers, timing only the replay loop (the trace is
+    validated once, before any timing)."""
+    check_trace_keys(trace)
     ops = trace["ops"]
+    invalid = check_ops(ops)
+    if invalid is not None:
+        index, error = invalid
+        raise type(error)(f"op {index}: {error}") from error
     per_run: list[float] = []
     for _ in range(repeats):
         rep = Replayer(trace.get("config", {}))
-        apply = rep.apply
+        apply = rep.dispatch
         t0 = time.perf_counter()
         for op in ops:
             apply(op, False)
@@ -507,7 +640,7 @@ def bench(trace: dict[str, Any], repeats: int) -> dict[str, Any]:
     clock = time.perf_counter
     for op in ops:
         t0 = clock()
-        rep.apply(op, False)
+        rep.dispatch(op, False)
         acc = per_op.setdefault(op["op"], [0, 0.0])
         acc[0] += 1
         acc[1] += clock() - t0

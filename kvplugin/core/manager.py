@@ -8,7 +8,7 @@ groups.  "No room" is a value (``None``); misuse raises before any state changes
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvplugin.core.blocks import KVCacheBlock, KVCacheBlockCopy
@@ -315,6 +315,50 @@ class KVCacheManager:
             coord.cache_blocks(request, main if main < num_tokens else num_tokens)
         return self.create_kv_cache_blocks(new_blocks)
 
+    # ------------------------------------------------------------------ reservations
+    # What vLLM's Scheduler computes by reaching into the coordinator (its
+    # ``_request_remaining_blocks`` / ``_inflight_prefill_reserved_blocks`` and
+    # ``_spec_decode_step_blocks``), as public, read-only queries.
+    @property
+    def enable_partial_hash_hits(self) -> bool:
+        """Whether fine-grained (sub-block) prefix hits are on (the scheduler then splits
+        Mamba prefill chunks at the prompt's hash-aligned checkpoint)."""
+        return bool(self.coordinator.enable_partial_hash_hits)
+
+    def get_num_remaining_blocks(self, request: Request, num_spec_tokens: int = 0,
+                                 num_lookahead_tokens: int = 0) -> int:
+        """Blocks ``request`` still needs to hold its whole sequence (and, with speculative
+        decoding, one more step of ``1 + num_spec_tokens + num_lookahead_tokens`` draft
+        slots): the admission-capped count of ``allocate_slots``' full-sequence gate, with
+        no hits.  Read-only."""
+        full = min(request.num_tokens, self.max_model_len)
+        num_tokens = full + (1 + num_spec_tokens + num_lookahead_tokens if num_spec_tokens
+                             else 0)
+        computed = request.num_computed_tokens
+        return self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens, self.empty_kv_cache_blocks.blocks, 0, computed,
+            computed, full, apply_admission_cap=True,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+
+    def get_num_spec_decode_step_blocks(self, num_spec_tokens: int,
+                                        num_lookahead_tokens: int = 0) -> int:
+        """Blocks one speculative-decoding step can take in the attention groups (Mamba
+        groups already count their speculative state slots): 0 without drafts."""
+        if not num_spec_tokens:
+            return 0
+        n = 1 + num_spec_tokens + num_lookahead_tokens
+        return sum(cdiv(n, m.block_size) for m in self.coordinator.single_type_managers
+                   if not isinstance(m.kv_cache_spec, MambaSpec))
+
+    def get_num_reserved_blocks(self, inflight_prefills: Iterable[Request],
+                                num_spec_tokens: int = 0, num_lookahead_tokens: int = 0) -> int:
+        """The ``reserved_blocks`` vLLM's Scheduler passes when admitting an async KV load:
+        what the in-flight prefills (prefill chunks and loads in progress) still need, plus
+        one speculative-decoding step of the new request."""
+        return (sum(self.get_num_remaining_blocks(r, num_spec_tokens, num_lookahead_tokens)
+                    for r in inflight_prefills)
+                + self.get_num_spec_decode_step_blocks(num_spec_tokens, num_lookahead_tokens))
+
     def _check_can_adopt(self, request_id: str) -> None:
         """Prefix hits are adopted only by a request that holds no blocks yet.  vLLM asserts
         this midway (after releasing out-of-window blocks); checking first keeps a misuse
@@ -340,6 +384,16 @@ class KVCacheManager:
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request; the caller later frees ``reversed(blocks)`` on the pool."""
         return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def free_popped_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Return blocks from :meth:`pop_blocks_for_free` to the pool, tail first (vLLM's
+        scheduler does this on the pool once no in-flight step can still write them)."""
+        self.block_pool.free_blocks(blocks[::-1])
+
+    def free_retained_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Release the retained copy-on-write endpoints of :meth:`take_kv_cache_block_copies`
+        once their copies ran (one ref each, in the order given)."""
+        self.block_pool.free_blocks(blocks)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.block_pool.evict_blocks(block_ids)

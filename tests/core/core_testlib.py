@@ -7,9 +7,13 @@ state, which is what the invariants are about).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvplugin.core.block_pool import BlockPool
 from kvplugin.core.blocks import (
@@ -35,6 +39,7 @@ from kvplugin.core.specs import (
 )
 
 __all__ = [
+    "CONFORMANCE",
     "Core",
     "LoRAInfo",
     "MMFeature",
@@ -44,9 +49,24 @@ __all__ = [
     "chunked",
     "full",
     "ids",
+    "require_shared",
     "snapshot",
     "swa",
 ]
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The shared conformance directory: ``<repo root>/../shared``, or ``$KVPLUGIN_SHARED_DIR``.
+SHARED_DIR = Path(os.environ.get("KVPLUGIN_SHARED_DIR") or REPO_ROOT.parent / "shared")
+CONFORMANCE = SHARED_DIR / "conformance"
+
+
+def require_shared() -> None:
+    """CI provides the shared directory: a missing one is a failure, not a skip."""
+    if not CONFORMANCE.is_dir():
+        pytest.fail(f"shared conformance directory not found at {CONFORMANCE}: check out "
+                    "../shared next to the repository or set KVPLUGIN_SHARED_DIR "
+                    "(CI provides it)")
 
 
 def full(block_size: int = 16) -> FullAttentionSpec:

@@ -1,8 +1,11 @@
 """Conformance with vLLM 0.33.0: every recorded trace replays with exact equality.
 
 The traces and what vLLM's own ``KVCacheManager`` returned for them live in the shared
-conformance directory (``<repo root>/../shared/conformance``, or ``$KVPLUGIN_SHARED_DIR``).
-CI has it; a missing directory is a failure, not a skip.
+conformance directory (``<repo root>/../shared/conformance``, or ``$KVPLUGIN_SHARED_DIR``):
+``traces/`` and ``bench/`` (the manager alone), and ``connector-traces/`` (recorded from
+vLLM's real Scheduler driving a KV connector: external tokens, async loads, divergent hybrid
+hits, boundary-state offloads, ...).  CI has it; a missing directory is a failure, not a
+skip.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from core_testlib import CONFORMANCE, REPO_ROOT, require_shared
 
-from kvplugin.replay import UnsupportedTraceError, load_trace, run_trace
+from kvplugin.core.request import Request, RequestStatus
+from kvplugin.replay import Replayer, UnsupportedTraceError, load_trace, run_trace
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DIR = Path(os.environ.get("KVPLUGIN_SHARED_DIR") or REPO_ROOT.parent / "shared")
-CONFORMANCE = SHARED_DIR / "conformance"
 COMPARE = CONFORMANCE / "compare.py"
+# Every folder of recorded traces the suite replays exactly.
+TRACE_DIRS = ("traces", "bench", "connector-traces")
 
 # Group kinds whose manager has not landed yet.  A trace using one is expected to fail
 # with UnsupportedTraceError naming the kind (strict xfail: once the manager lands the
@@ -30,9 +34,8 @@ COMPARE = CONFORMANCE / "compare.py"
 PENDING_KINDS: frozenset[str] = frozenset()
 
 
-def _trace_paths() -> list[Path]:
-    paths = [*sorted((CONFORMANCE / "traces").glob("*.json")),
-             *sorted((CONFORMANCE / "bench").glob("*.json"))]
+def _trace_paths(dirs: tuple[str, ...] = TRACE_DIRS) -> list[Path]:
+    paths = [p for d in dirs for p in sorted((CONFORMANCE / d).glob("*.json"))]
     return [p for p in paths if not p.name.endswith(".expected.json")]
 
 
@@ -52,14 +55,10 @@ def _params() -> list[Any]:
                                    reason=f"group kind(s) {sorted(pending)} not implemented")
                  ] if pending else []
         params.append(pytest.param(path, id=f"{path.parent.name}/{path.stem}", marks=marks))
-    return params or [pytest.param(None, id="no-traces-found")]
-
-
-def _require_shared() -> None:
-    if not CONFORMANCE.is_dir():
-        pytest.fail(f"shared conformance directory not found at {CONFORMANCE}: check out "
-                    "../shared next to the repository or set KVPLUGIN_SHARED_DIR "
-                    "(CI provides it)")
+    for d in TRACE_DIRS:  # a folder that vanished must fail, not shrink the suite
+        if not _trace_paths((d,)):
+            params.append(pytest.param(None, id=f"no-traces-found-in-{d}"))
+    return params
 
 
 def _first_difference(expected: list[dict[str, Any]], actual: list[dict[str, Any]]) -> str:
@@ -74,7 +73,7 @@ def _first_difference(expected: list[dict[str, Any]], actual: list[dict[str, Any
 
 @pytest.mark.parametrize("path", _params())
 def test_trace_replays_exactly(path: Path | None) -> None:
-    _require_shared()
+    require_shared()
     assert path is not None, f"no traces found under {CONFORMANCE}"
     expected_path = path.with_name(path.stem + ".expected.json")
     assert expected_path.is_file(), f"{expected_path} is missing"
@@ -91,6 +90,56 @@ def test_trace_replays_exactly(path: Path | None) -> None:
     if result["results"] != expected["results"]:
         pytest.fail(f"{path.name}: " + _first_difference(expected["results"], result["results"]))
     assert result["summary"]["num_results"] == len(expected["results"])
+
+
+def _connector_traces_with_reservations() -> list[Any]:
+    if not CONFORMANCE.is_dir():
+        return [pytest.param(None, id="shared-conformance-missing")]
+    paths = [p for p in _trace_paths(("connector-traces",))
+             if '"reserved_blocks"' in p.read_text()]
+    return [pytest.param(p, id=p.stem) for p in paths] or [
+        pytest.param(None, id="no-reserved-blocks-in-connector-traces")]
+
+
+@pytest.mark.parametrize("path", _connector_traces_with_reservations())
+def test_reserved_blocks_are_what_the_scheduler_computed(path: Path | None) -> None:
+    """``KVCacheManager.get_num_reserved_blocks`` (the public form of the Scheduler's
+    coordinator reach-in) gives every ``reserved_blocks`` vLLM's Scheduler passed, from the
+    in-flight prefills the trace implies: admitted requests still prefilling after their
+    chunk, and async loads in progress (no speculative decoding in these traces)."""
+    require_shared()
+    assert path is not None, f"no connector trace with reserved_blocks under {CONFORMANCE}"
+    trace = load_trace(str(path))
+    rep = Replayer(trace["config"])
+    inflight: dict[str, Request] = {}
+    checked = 0
+    for op in trace["ops"]:
+        name, rid = op["op"], op.get("id")
+        if name != "allocate_slots":
+            if name in ("free", "preempt", "finish", "pop_blocks_for_free") or (
+                    name == "update_request"
+                    and op.get("status", "").startswith(("FINISHED", "PREEMPTED"))):
+                inflight.pop(rid, None)
+            rep.apply(op)
+            continue
+        req = rep.requests[rid]
+        if "reserved_blocks" in op:
+            others = [r for r in inflight.values() if r is not req]
+            assert rep.manager.get_num_reserved_blocks(others) == op["reserved_blocks"], \
+                (op, sorted(inflight))
+            checked += 1
+        admitted = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        result = rep.apply(op)
+        assert result is not None
+        if not result["ok"]:
+            continue
+        after = (req.num_computed_tokens + op.get("num_new_computed_tokens", 0)
+                 + op.get("num_external_computed_tokens", 0) + op["num_new_tokens"])
+        if op.get("delay_cache_blocks") or (admitted and after < req.num_tokens):
+            inflight[rid] = req
+        elif after >= req.num_tokens:
+            inflight.pop(rid, None)
+    assert checked > 0
 
 
 def test_pending_kinds_are_real_group_kinds() -> None:
@@ -113,7 +162,7 @@ def _compare(expected: Path, actual: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _trace(name: str) -> Path:
-    _require_shared()
+    require_shared()
     path = CONFORMANCE / "traces" / f"{name}.json"
     assert path.is_file(), f"{path} is missing"
     return path
