@@ -21,7 +21,11 @@ connector throughput / raw throughput; the reported ratio is the median over rou
 last line printed is a JSON object whose ``disk_store_ratio``, ``disk_load_ratio``,
 ``redis_store_ratio`` and ``redis_load_ratio`` are for 1 MiB objects (``*_64k`` for 64 KiB).
 
+``--secret`` runs the connectors with a deployment secret (keyed BLAKE3 MACs instead of xxh3
+checksums, see :mod:`kvplugin.serde_mac`); the raw side is unchanged.
+
     python3 benchmarks/connectors.py --quick
+    python3 benchmarks/connectors.py --quick --secret
 """
 
 from __future__ import annotations
@@ -130,7 +134,9 @@ async def bench_redis(
     conc = args.concurrency
     raw_pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=conc)
     raw = aioredis.Redis(connection_pool=raw_pool)
-    conn = RedisConnector(RedisOptions(url=url, max_connections=conc, socket_timeout=TIMEOUT))
+    conn = RedisConnector(
+        RedisOptions(url=url, max_connections=conc, socket_timeout=TIMEOUT), secret=args.key
+    )
     raw_keys = [f"raw:{i}".encode() for i in range(len(items))]
     store, load = Phase(), Phase()
 
@@ -212,6 +218,7 @@ async def bench_disk(
         fsync=args.fsync,
         io_threads=args.io_threads,
         inline_read_bytes=args.inline_read_bytes,
+        secret=args.key,
     )
     await conn.start()
     payloads = [memoryview(block.payload) for _, block in items]
@@ -305,7 +312,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--chunk", type=int, default=8, help="objects per alternating chunk")
     p.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio")
+    p.add_argument(
+        "--secret", action="store_true", help="connectors seal with keyed MACs (a random secret)"
+    )
     args = p.parse_args(argv)
+    args.key = os.urandom(32) if args.secret else None
     if args.rounds is None:
         args.rounds = 9 if args.quick else 15
     args.count_1m = 96 if args.quick else 256
@@ -332,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inline_read_bytes=args.inline_read_bytes,
         rounds=args.rounds,
         loop="uvloop" if args.uvloop else "asyncio",
+        secret=args.secret,
         seconds=round(time.perf_counter() - start, 1),
     )
     print(json.dumps(result, sort_keys=True))

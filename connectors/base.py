@@ -13,6 +13,9 @@ What a caller can rely on, for every connector:
   (bad keys, bad timeouts, a closed connector) raises ``ValueError``/``TypeError``/
   :class:`ConnectorClosed` right away.
 * Cancellation is safe: nothing half-written becomes readable and no resource leaks.
+* With a ``secret`` (see :mod:`kvplugin.serde_mac`), a store seals objects with keyed MACs and
+  loads only objects sealed with its secret (or a previous one it was given): an object
+  forged by a writer without the secret is a counted miss like a corrupt one.
 
 :class:`StoreBase` implements all of that over five small primitives, so a backend only
 writes raw byte I/O. Connectors never import ``kvplugin.core`` or the async manager layer.
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Self, TypeVar
 
 from connectors.keys import ObjectKey
 from kvplugin import serde
-from kvplugin.serde import Block, BlockFormatError, DraftBlock, EncodedBlock
+from kvplugin.serde import PLAIN, Block, BlockFormatError, Codec, DraftBlock, EncodedBlock
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -60,6 +63,7 @@ __all__ = [
     "check_items",
     "check_keys",
     "check_timeout",
+    "common_codec",
     "decode_all",
     "decode_or_error",
     "encode_once",
@@ -237,11 +241,27 @@ class CircuitBreaker:
         self.probing = False
 
 
-def encode_once(block: Block) -> EncodedBlock:
-    """The bytes to store for ``block``, encoded at most once."""
-    if block.encoded is not None:
-        return block.encoded  # verified bytes read from another tier: no re-encoding
-    return serde.encode(block.meta, block.payload)
+def encode_once(block: Block, codec: Codec) -> EncodedBlock:
+    """The bytes to store for ``block`` with ``codec``, encoded at most once: bytes already
+    sealed the way ``codec`` seals (e.g. verified bytes read from another tier) are reused,
+    anything else (no bytes yet, or sealed with another secret or none) is encoded."""
+    enc = block.encoded
+    if enc is not None and enc.key_id == codec.key_id:
+        return enc
+    return serde.encode(block.meta, block.payload, codec)
+
+
+def common_codec(conns: Sequence[Connector]) -> Codec:
+    """The codec all of ``conns`` seal with (:data:`~kvplugin.serde.PLAIN` for none);
+    ``ValueError`` when they differ, e.g. tiers given different secrets, or only some a
+    secret: objects would then be sealed for one tier and refused by another."""
+    codecs = [c.codec for c in conns]
+    if any(c != codecs[0] for c in codecs[1:]):
+        described = ", ".join(f"{c.name}: {c.codec!r}" for c in conns)
+        raise ValueError(
+            f"connectors seal objects differently ({described}); give them the same secret"
+        )
+    return codecs[0] if codecs else PLAIN
 
 
 def finish(enc: Encoded) -> EncodedBlock:
@@ -284,20 +304,33 @@ def check_items(items: Sequence[PutItem]) -> list[PutItem]:
 
 
 def decode_or_error(
-    raw: Buffer, key_id: str, payload_digest: tuple[int, int, bytes] | None = None
+    raw: Buffer,
+    key_id: str,
+    payload_digest: tuple[int, int, bytes] | None = None,
+    *,
+    codec: Codec,
 ) -> Block | BlockFormatError:
-    """Decode and verify; a damaged object is returned as its error, not raised.
-    ``payload_digest``: see :func:`kvplugin.serde.decode`."""
+    """Decode and verify with ``codec`` (the store's: required, so that no call site can
+    verify a keyed store's objects without its key); a damaged object is returned as its
+    error, not raised. ``payload_digest``: see :func:`kvplugin.serde.decode`."""
     try:
-        return serde.decode(raw, key=key_id, payload_digest=payload_digest)
+        return serde.decode(raw, key=key_id, payload_digest=payload_digest, codec=codec)
     except BlockFormatError as exc:
         return exc
+    except Exception as exc:
+        # The decoder promises BlockFormatError for any bytes; if some input breaks that
+        # promise, it is still a counted miss and the object is deleted, not a key that
+        # raises on every load. Logged with the traceback: it is a decoder bug.
+        logger.error("decoding object %s raised instead of rejecting it", key_id, exc_info=True)
+        return BlockFormatError(f"decoder failed: {type(exc).__name__}")
 
 
-def decode_all(keys: Sequence[ObjectKey], raws: Sequence[Buffer | None]) -> list[Loaded]:
+def decode_all(
+    keys: Sequence[ObjectKey], raws: Sequence[Buffer | None], codec: Codec
+) -> list[Loaded]:
     """:func:`decode_or_error` for each stored object, ``None`` where nothing was stored."""
     pairs = zip(keys, raws, strict=True)
-    return [None if raw is None else decode_or_error(raw, k.id) for k, raw in pairs]
+    return [None if raw is None else decode_or_error(raw, k.id, codec=codec) for k, raw in pairs]
 
 
 def _ids(keys: Sequence[ObjectKey]) -> list[str]:
@@ -312,6 +345,19 @@ class Connector(abc.ABC):
 
     name: str
     capabilities: Capabilities
+
+    @property
+    def codec(self) -> Codec:
+        """How this connector seals and verifies objects (:class:`kvplugin.serde.Codec`).
+
+        A store has its own, from its secret (see :class:`StoreBase`). A connector built on
+        others has theirs, which must agree (:func:`common_codec`): those it keeps in
+        ``tiers`` (a tiered connector) or wraps as ``inner`` (a fault injector)."""
+        parts = getattr(self, "tiers", None)
+        if parts is None:
+            inner = getattr(self, "inner", None)
+            parts = [] if inner is None else [inner]
+        return common_codec(parts)
 
     @abc.abstractmethod
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
@@ -413,11 +459,28 @@ class StoreBase(Guarded, Connector):
     :class:`ConnectorError` subclasses for backend trouble.
     """
 
-    def __init__(self, *, name: str, capabilities: Capabilities) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        capabilities: Capabilities,
+        secret: bytes | None = None,
+        previous_secrets: Sequence[bytes] = (),
+    ) -> None:
+        """``secret`` (at least 16 bytes) seals objects with keyed MACs; objects without a
+        valid MAC under it, or under one of ``previous_secrets`` (key rotation: accepted on
+        load, never used to write), are refused. Without it, objects use xxh3 checksums as
+        they always did, and MAC'd objects are refused (they cannot be verified). Only keys
+        derived from the secrets are kept, and they never appear in a repr or a log."""
         self.name = name
         self.capabilities = capabilities
+        self._codec = Codec.create(secret, previous_secrets)
         self._stats = ConnectorStats()
         self._closed = False
+
+    @property
+    def codec(self) -> Codec:
+        return self._codec
 
     # primitives ---------------------------------------------------------------------------
 
@@ -432,7 +495,7 @@ class StoreBase(Guarded, Connector):
     async def _load(self, keys: list[ObjectKey]) -> list[Loaded]:
         """Fetch and decode. A store may override it to decode where the bytes land
         (the disk store verifies on its I/O thread, next to the read)."""
-        return decode_all(keys, await self._fetch([k.id for k in keys]))
+        return decode_all(keys, await self._fetch([k.id for k in keys]), self._codec)
 
     def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
         """Serve what can be served without waiting, on the loop and before the deadline
@@ -444,7 +507,7 @@ class StoreBase(Guarded, Connector):
     def _encode(self, block: Block) -> Encoded:
         """What :meth:`put` hands to :meth:`_store` for ``block``. A store that can hash the
         payload where it writes it (off the event loop) returns a draft; see :func:`finish`."""
-        return encode_once(block)
+        return encode_once(block, self._codec)
 
     @abc.abstractmethod
     async def _store(

@@ -192,13 +192,16 @@ class FaultInjector(Guarded, Connector):
         return stored + dropped
 
     def _corrupt(self, block: Block) -> Block:
-        data = bytearray(encode_once(block).join())
+        # Sealed the way the wrapped connector seals (its secret, if any) and marked so, so
+        # that it stores these bytes as they are and the damage is all its check can find.
+        codec = self.inner.codec
+        data = bytearray(encode_once(block, codec).join())
         if self._rng.random() < 0.5:
             pos = self._rng.randrange(len(data))
             data[pos] ^= self._rng.randrange(1, 256)
         else:
             del data[self._rng.randrange(len(data)) :]
-        return Block(block.meta, block.payload, EncodedBlock((data,), len(data)))
+        return Block(block.meta, block.payload, EncodedBlock((data,), len(data), codec.key_id))
 
 
 class LocalRedisServer:

@@ -34,7 +34,15 @@ __all__ = ["MemoryConnector"]
 class MemoryConnector(StoreBase):
     """LRU by access (``get`` refreshes recency, ``lookup`` does not)."""
 
-    def __init__(self, *, capacity_bytes: int, name: str = "memory") -> None:
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int,
+        name: str = "memory",
+        secret: bytes | None = None,
+        previous_secrets: Sequence[bytes] = (),
+    ) -> None:
+        """``secret``/``previous_secrets``: see :class:`~connectors.base.StoreBase`."""
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         super().__init__(
@@ -42,6 +50,8 @@ class MemoryConnector(StoreBase):
             capabilities=Capabilities(
                 tier="host", persistent=False, shared=False, max_object_bytes=capacity_bytes
             ),
+            secret=secret,
+            previous_secrets=previous_secrets,
         )
         self.capacity_bytes = capacity_bytes
         self._objects: OrderedDict[str, bytes] = OrderedDict()
@@ -67,7 +77,7 @@ class MemoryConnector(StoreBase):
 
     def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
         # Everything is here: decoded (and verified) on the loop, no deadline to arm.
-        return decode_all(keys, self._take([k.id for k in keys])), ()
+        return decode_all(keys, self._take([k.id for k in keys]), self.codec), ()
 
     def _take(self, ids: list[str]) -> list[Buffer | None]:
         """The stored bytes per id (``None`` if absent); a hit refreshes its recency."""

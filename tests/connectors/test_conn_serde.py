@@ -1,11 +1,14 @@
-"""The block format: round trips, zero-copy both ways, every damaged byte detected."""
+"""The block format: round trips, zero-copy both ways, every damaged byte detected, and
+hostile metadata behind valid checksums rejected as a BlockFormatError."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
 import pytest
+from conn_forge import forge, forge_doc, hostile_docs, meta_doc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -111,6 +114,8 @@ def test_specific_failures_have_specific_errors() -> None:
         ({"tenant": ""}, "tenant"),
         ({"boundary": -5}, "boundary"),
         ({"shape": [2, 8]}, "shape"),
+        ({"shape": (1,) * 33}, "shape"),
+        ({"shape": (2**63, 1)}, "shape"),
     ],
 )
 def test_bad_metadata_is_rejected(kw: dict[str, object], match: str) -> None:
@@ -181,3 +186,93 @@ def test_metadata_json_is_what_json_dumps_writes(
     assert serde._meta_json(m, digest) == json.dumps(expected, separators=(",", ":")).encode()
     block = serde.decode(encoded(m, bytes(m.nbytes)), arrow_check=True)
     assert block.meta == m
+
+
+# --- the format without a secret is frozen ---------------------------------------------------
+
+# (length, sha256) of objects encoded by the code before MACs existed (commit 19ab360).
+GOLDEN = [
+    (1152, "4c213d8f3fe46cf68666ba7e713aa1ac3579c0362bfadd3b2523aa94a20f0b3e"),
+    (1096, "c9cc7ad85023ba74811c2ea5d43926dbac11f0c68364c7c9d5dc75a62be0f990"),
+    (66664, "0121f0208ab536ee16e19b9e0d8498ca5bf2f16c9f4fc4e64faadbd6931940ef"),
+]
+
+
+def golden_inputs() -> list[tuple[BlockMeta, bytes]]:
+    m1 = meta(
+        tenant='t\u00e9n"ant', group=3, kind="mamba_state", token_start=32, token_end=64,
+        dtype="float16", shape=(1, 3, 4), boundary=48,
+    )  # fmt: skip
+    m2 = meta(key="cd" * 48, group=0, token_start=0, token_end=16, dtype="uint8", shape=(2, 8))
+    m3 = meta(
+        key="ef" * 48, tenant="tenant-7", model="bench/model", layout="fedcba9876543210",
+        token_start=256, token_end=512, dtype="bfloat16", shape=(16, 2048),
+    )  # fmt: skip
+    p3 = hashlib.shake_256(b"golden").digest(m3.nbytes)
+    return [(m1, bytes(range(24))), (m2, bytes(range(16))), (m3, p3)]
+
+
+def test_objects_without_a_secret_are_byte_identical_to_the_old_format() -> None:
+    for (m, payload), (length, sha) in zip(golden_inputs(), GOLDEN, strict=True):
+        raw = serde.encode(m, payload).join()
+        assert (len(raw), hashlib.sha256(raw).hexdigest()) == (length, sha)
+        draft = serde.prepare(m, payload)
+        assert draft.seal().join() == raw  # the draft path writes the same bytes
+
+
+# --- hostile metadata behind valid checksums -------------------------------------------------
+
+M = meta(dtype="uint8", shape=(2, 8))
+P = bytes(range(16))
+
+
+def test_the_forger_builds_objects_the_decoder_accepts() -> None:
+    """The helper is right: the document the encoder writes, forged around, decodes."""
+    block = serde.decode(forge_doc(meta_doc(M, P), P), key=KEY)
+    assert block.meta == M and bytes(block.payload) == P
+
+
+@pytest.mark.parametrize("name", sorted(hostile_docs(M, P)))
+def test_hostile_metadata_is_a_block_format_error(name: str) -> None:
+    raw = forge_doc(hostile_docs(M, P)[name], P)
+    with pytest.raises(serde.BlockFormatError) as info:
+        serde.decode(raw, key=KEY)
+    # Messages are logged per dropped object: a stored value is never quoted in full.
+    assert len(str(info.value)) < 400
+    serde.hash_payload(raw)  # the disk store's pass on its I/O thread must not raise either
+
+
+def test_metadata_length_is_capped_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = 64 << 10
+    doc = json.dumps({"key": "k" * cap}).encode()
+
+    def no_parse(*args: object, **kw: object) -> object:
+        raise AssertionError("parsed metadata over the cap")
+
+    monkeypatch.setattr(json, "loads", no_parse)
+    with pytest.raises(serde.BlockFormatError, match="exceeds"):
+        serde.decode(forge(doc, P))
+    # A claimed length past the object is refused the same way, whatever the object's size.
+    with pytest.raises(serde.BlockFormatError):
+        serde.decode(forge(b"{}", P, meta_len=(1 << 32) - 1))
+
+
+def test_encode_refuses_metadata_no_reader_would_parse() -> None:
+    big = meta(key="k" * (64 << 10), dtype="uint8", shape=(2, 8))
+    with pytest.raises(ValueError, match="exceeds"):
+        serde.encode(big, P)
+
+
+def test_unknown_flags_and_a_set_reserved_word_are_rejected() -> None:
+    doc = json.dumps(meta_doc(M, P), separators=(",", ":")).encode()
+    assert serde.decode(forge(doc, P)).meta == M
+    for kw in ({"flags": 2}, {"flags": 0x8000}, {"word": 7}):
+        with pytest.raises(serde.BlockFormatError):
+            serde.decode(forge(doc, P, **kw))  # type: ignore[arg-type]
+
+
+def test_the_arrow_check_turns_any_reader_failure_into_a_block_format_error() -> None:
+    # Valid checksums around a stream pyarrow cannot read (the forger's filler).
+    raw = forge_doc(meta_doc(M, P), P)
+    with pytest.raises(serde.BlockFormatError, match="Arrow"):
+        serde.decode(raw, arrow_check=True)
