@@ -3,16 +3,24 @@
 * **Atomic publish.** An object is one value (envelope + Arrow IPC + checksums) written with
   ``SET key value NX [EX ttl]``: readers see the whole object or nothing, and there is no
   second "metadata" key to disagree with the payload (LMCache's two-key race).
-* **Batching.** Prefix lookups pipeline ``EXISTS`` (stopping at the first missing batch),
-  loads use ``MGET``, stores pipeline their ``SET``\\ s; all through one
-  ``BlockingConnectionPool`` so concurrency is bounded and waits are bounded too. Commands
-  are packed here and sent on pooled ``redis.asyncio`` connections: a stored value goes out
-  as the encoder's pieces, never joined into one more 1 MiB copy.
+* **Batching.** Prefix lookups pipeline ``STRLEN`` (stopping at the first missing batch),
+  loads pipeline ``GET``\\ s, stores pipeline their ``SET``\\ s: one round trip per batch,
+  one command per key, so each key gets its own answer (and a cluster could split them).
+  All go through one ``BlockingConnectionPool`` so concurrency and waits are bounded.
+  Commands are packed and replies read in :mod:`connectors.resp`: a stored value goes out as
+  the encoder's pieces and comes back as a view of the bytes read, never copied again.
+* **Whatever the server holds or says.** A value that is not a string (someone ran
+  ``LPUSH`` on one of our keys), an empty one, or a corrupt one is a counted miss and is
+  replaced or removed; an error reply for one key (``WRONGTYPE``) is that key's answer, not a
+  failed batch; a malformed, oversized or unexpected reply is a :class:`BackendError` and
+  the connection that read it is dropped. No other exception leaves a public call.
 * **Failure handling.** Connection errors and socket timeouts are retried with exponential
   backoff and jitter, inside the call's deadline. ``breaker_threshold`` consecutive failed
-  calls open a circuit breaker: calls then fail fast (reads as misses) until one half-open
-  probe succeeds after ``breaker_cooldown``. A restarted server is picked up by the pool's
-  reconnects, so the connector never has to be recreated.
+  calls (protocol errors included) open a circuit breaker: calls then fail fast (reads as
+  misses) until one half-open probe succeeds after ``breaker_cooldown``. A restarted server
+  is picked up by the pool's reconnects, so the connector never has to be recreated.
+  Refused credentials are a :class:`StoragePermissionError` naming the URL, never the
+  password (which is redacted from every message this module produces).
 
 Capacity is the server's business (``maxmemory`` with an LRU policy, plus the optional TTL).
 Keys are ``<prefix><96 hex>``; the prefix is validated, the rest is derived hex.
@@ -21,16 +29,17 @@ Keys are ``<prefix><96 hex>``; the prefix is validated, the rest is derived hex.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from redis._parsers import BaseParser
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -48,6 +57,7 @@ from connectors.base import (
     StoreBase,
     finish,
 )
+from connectors.resp import ErrorReply, ProtocolError, Reply, pack, pack_set, wire_class
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -57,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["RedisConnector", "RedisOptions"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 # Errors worth another attempt: the connection broke or the server did not answer in time.
 # BusyLoadingError (a ConnectionError) is a restarting server loading its data set.
@@ -100,6 +111,23 @@ class RedisOptions:
         if not self.breaker_cooldown >= 0:
             raise ValueError("breaker_cooldown must be >= 0")
 
+    def __repr__(self) -> str:
+        # Options get logged; the URL may carry a password.
+        shown = ", ".join(
+            f"{name}={_public_url(self.url) if name == 'url' else getattr(self, name)!r}"
+            for name in self.__dataclass_fields__
+        )
+        return f"RedisOptions({shown})"
+
+
+class _Wrong(enum.Enum):
+    """A key holding something other than a string (``WRONGTYPE``): not one of our objects."""
+
+    TYPE = "wrong type"
+
+
+WRONG_TYPE = _Wrong.TYPE
+
 
 class RedisConnector(StoreBase):
     """Objects as Redis string values under ``<prefix><storage id>``."""
@@ -110,6 +138,8 @@ class RedisConnector(StoreBase):
         *,
         name: str = "redis",
         rng: random.Random | None = None,
+        secret: bytes | None = None,
+        previous_secrets: Sequence[bytes] = (),
     ) -> None:
         opts = options or RedisOptions()
         super().__init__(
@@ -117,8 +147,11 @@ class RedisConnector(StoreBase):
             capabilities=Capabilities(
                 tier="remote", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
             ),
+            secret=secret,
+            previous_secrets=previous_secrets,
         )
         self.options = opts
+        self.url = _public_url(opts.url)  # for messages: the password is never shown
         self._prefix = opts.prefix.encode()
         self._rng = rng or random.Random()  # jitter only; never the global random state
         self._breaker = CircuitBreaker(opts.breaker_threshold, opts.breaker_cooldown)
@@ -131,7 +164,9 @@ class RedisConnector(StoreBase):
             retry=Retry(NoBackoff(), 0),  # retries are ours, bounded by the call's deadline
         )
         # Set before the first connection is made (the pool creates them lazily).
-        self._pool.connection_class = _gathering(self._pool.connection_class)
+        self._pool.connection_class = wire_class(self._pool.connection_class)
+        # The password redis-py will send, wherever the URL put it (userinfo or query).
+        self._secrets = _secret_forms(self._pool.connection_kwargs.get("password"))
 
     @property
     def breaker_state(self) -> str:
@@ -141,16 +176,22 @@ class RedisConnector(StoreBase):
         return self._prefix + sid.encode()
 
     # primitives -----------------------------------------------------------------------------
-    # Every command goes through _roundtrip: packed here, pipelined on one pooled
-    # connection. redis-py's command layer would add a copy of every stored value (set()
+    # Every command goes through _call/_roundtrip: packed here, pipelined on one pooled
+    # connection, each reply checked by the caller's `check` before the connection is
+    # released. redis-py's command layer would add a copy of every stored value (set()
     # wants one buffer) and its response-callback machinery to every call.
 
     async def _prefix_present(self, ids: list[str]) -> int:
         n = 0
         for batch in _batches(ids, self.options.lookup_batch):
-            commands = [[_pack(b"EXISTS", self.redis_key(s))] for s in batch]
-            for present in await self._call("lookup", commands):
-                if not present:
+            commands = [[pack(b"STRLEN", self.redis_key(s))] for s in batch]
+            lengths = await self._call("lookup", commands, _strlen)
+            # O(1) per key, unlike GET; an empty string reads 0 (a miss, dropped by get/put).
+            wrong = [s for s, length in zip(batch, lengths, strict=True) if length is WRONG_TYPE]
+            if wrong:
+                await self._drop_wrong_type("lookup", wrong)
+            for length in lengths:
+                if length is WRONG_TYPE or length == 0:
                     return n
                 n += 1
         return n
@@ -158,48 +199,88 @@ class RedisConnector(StoreBase):
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
         out: list[Buffer | None] = []
         for batch in _batches(ids, self.options.get_batch):
-            command = [_pack(b"MGET", *(self.redis_key(s) for s in batch))]
-            (values,) = await self._call("get", [command], values=True)
-            out.extend(values)
+            commands = [[pack(b"GET", self.redis_key(s))] for s in batch]
+            for sid, value in zip(batch, await self._call("get", commands, _value), strict=True):
+                if value is not WRONG_TYPE:
+                    out.append(value)
+                    continue
+                # Loaded as an empty object: the store's verification counts it as a corrupt
+                # miss and deletes it, as it does every other damaged object.
+                logger.warning("%s get: %s holds a non-string value", self.name, sid)
+                out.append(b"")
         return out
 
     async def _store(
         self, items: list[tuple[str, Encoded]], *, overwrite: bool
     ) -> list[PutOutcome]:
+        keys = [self.redis_key(sid) for sid, _ in items]
+        encs = [finish(enc) for _, enc in items]
+        written = await self._call("put", self._sets(keys, encs, nx=not overwrite), _set_reply)
+        taken = [i for i, done in enumerate(written) if not done]
+        if taken:
+            redone = await self._reclaim([keys[i] for i in taken], [encs[i] for i in taken])
+            for i in redone:
+                written[taken[i]] = True
+        # Content-addressed: a string already under the key is the same object (a damaged
+        # one is caught, counted and deleted by the next get).
+        return [PutOutcome.WRITTEN if done else PutOutcome.EXISTS for done in written]
+
+    async def _reclaim(self, keys: list[bytes], encs: list[EncodedBlock]) -> list[int]:
+        """``SET NX`` found these keys taken: confirm (one cheap round trip) that each holds
+        a non-empty string, and overwrite the ones that do not (a wrong type, or an empty or
+        vanished value). Returns the positions written."""
+        lengths = await self._call("put", [[pack(b"STRLEN", k)] for k in keys], _strlen)
+        bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
+        wrong = sum(1 for length in lengths if length is WRONG_TYPE)
+        if wrong:
+            self._stats.corrupt_detected += wrong
+            logger.warning("%s put: replacing %d non-string value(s)", self.name, wrong)
+        if bad:
+            # A plain SET replaces a value of any type, atomically: no UNLINK needed.
+            plain = self._sets([keys[i] for i in bad], [encs[i] for i in bad], nx=False)
+            await self._call("put", plain, _ok)
+        return bad
+
+    def _sets(self, keys: list[bytes], encs: list[EncodedBlock], *, nx: bool) -> list[list[Buffer]]:
         ttl = self.options.ttl_seconds
-        commands = [
-            _pack_set(self.redis_key(sid), finish(enc), nx=not overwrite, ttl=ttl)
-            for sid, enc in items
-        ]
-        replies = await self._call("put", commands)
-        # SET NX answers nil when the key exists: content-addressed, so it is the same object.
-        return [PutOutcome.EXISTS if reply is None else PutOutcome.WRITTEN for reply in replies]
+        pairs = zip(keys, encs, strict=True)
+        return [pack_set(k, e.parts, e.nbytes, nx=nx, ttl=ttl) for k, e in pairs]
+
+    async def _drop_wrong_type(self, op: str, ids: list[str]) -> None:
+        """Non-string values under our keys: count them as corrupt and remove them (a failed
+        removal is counted and retried by the next call that finds them)."""
+        self._stats.corrupt_detected += len(ids)
+        logger.warning("%s %s: removing %d non-string value(s)", self.name, op, len(ids))
+        try:
+            await self._remove(ids)
+        except ConnectorError as exc:
+            self._stats.errors += 1
+            logger.warning("%s: could not remove non-string values: %s", self.name, exc)
 
     async def _remove(self, ids: list[str]) -> int:
-        command = [_pack(b"UNLINK", *(self.redis_key(s) for s in ids))]
-        (removed,) = await self._call("delete", [command])
-        return int(removed)
+        command = [pack(b"UNLINK", *(self.redis_key(s) for s in ids))]
+        (removed,) = await self._call("delete", [command], _count(len(ids)))
+        return removed
 
     async def _ping(self) -> None:
-        await self._call("ping", [[_pack(b"PING")]])
+        await self._call("ping", [[pack(b"PING")]], _pong)
 
     async def _close(self) -> None:
         await self._pool.aclose()
 
     async def _roundtrip(
-        self, commands: Sequence[Sequence[Buffer]], values: bool = False
-    ) -> list[Any]:
-        """Send packed commands on one pooled connection and read one reply each
-        (``values``: each reply is an ``MGET`` array, read without copies)."""
+        self, commands: Sequence[Sequence[Buffer]], check: Callable[[Reply], T]
+    ) -> list[T]:
+        """Send packed commands on one pooled connection, read and check one reply each."""
         conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
         try:
             # No per-send health check: the pool has none configured, and a broken
             # connection fails this send, which is retried.
             await conn.send_packed_command([c for cmd in commands for c in cmd], False)
-            read = conn.read_values if values else conn.read_response
-            return [await read() for _ in commands]
+            return [check(reply) for reply in await conn.read_replies(len(commands))]
         except BaseException:
-            # Replies may be left unread (an error reply, a cancellation): never reuse it.
+            # Replies may be left unread, or the server is out of step (a protocol error), or
+            # a send was cut short: never reuse it. This aborts, dropping unsent bytes.
             await conn.disconnect(nowait=True)
             raise
         finally:
@@ -212,8 +293,8 @@ class RedisConnector(StoreBase):
     # retry and breaker ------------------------------------------------------------------------
 
     async def _call(
-        self, op: str, commands: Sequence[Sequence[Buffer]], *, values: bool = False
-    ) -> list[Any]:
+        self, op: str, commands: Sequence[Sequence[Buffer]], check: Callable[[Reply], T]
+    ) -> list[T]:
         """One pipelined round trip, retried on connection trouble, behind the breaker."""
         if not self._breaker.acquire():
             raise CircuitOpen(f"{self.name} {op}: circuit open after repeated failures")
@@ -222,23 +303,32 @@ class RedisConnector(StoreBase):
             attempt = 0
             while True:
                 try:
-                    result = await self._roundtrip(commands, values)
+                    result = await self._roundtrip(commands, check)
                 except _DENIED as exc:
                     settled = True
                     self._breaker.success()  # the server answered
-                    raise StoragePermissionError(f"{self.name} {op}: {exc}") from exc
+                    text = _denied(self.url, exc)
+                    raise self._error(StoragePermissionError, op, text) from self._shown(exc)
+                except rexc.InvalidResponse as exc:
+                    settled = True
+                    self._breaker.failure()  # a server we cannot understand is not working
+                    text = f"protocol error from {self.url} (connection dropped): {exc}"
+                    raise self._error(BackendError, op, text) from self._shown(exc)
                 except _TRANSIENT as exc:
                     if attempt >= self.options.retries:
                         settled = True
                         self._breaker.failure()
-                        raise BackendUnavailable(f"{self.name} {op}: {exc}") from exc
+                        text = str(exc)
+                        raise self._error(BackendUnavailable, op, text) from self._shown(exc)
                     attempt += 1
-                    logger.debug("%s %s: attempt %d failed: %s", self.name, op, attempt, exc)
+                    text = self._redact(str(exc))
+                    logger.debug("%s %s: attempt %d failed: %s", self.name, op, attempt, text)
                     await asyncio.sleep(self._backoff(attempt))
                 except rexc.RedisError as exc:
                     settled = True
                     self._breaker.success()
-                    raise _reply_error(self.name, op, exc) from exc
+                    kind, text = _reply_error(exc)
+                    raise self._error(kind, op, text) from self._shown(exc)
                 else:
                     settled = True
                     self._breaker.success()
@@ -247,155 +337,117 @@ class RedisConnector(StoreBase):
             if not settled:  # cancelled or cut by the deadline mid-call
                 self._breaker.release()
 
+    def _error(self, kind: type[ConnectorError], op: str, text: str) -> ConnectorError:
+        return kind(self._redact(f"{self.name} {op}: {text}"))
+
+    def _shown(self, cause: BaseException) -> BaseException | None:
+        """The cause to chain: none when its message shows a secret (tracebacks print it)."""
+        return cause if self._redact(str(cause)) == str(cause) else None
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with "equal jitter": half fixed, half random."""
         cap = min(self.options.backoff_cap, self.options.backoff_base * 2.0 ** (attempt - 1))
         return cap / 2 + self._rng.uniform(0, cap / 2)
 
 
-_GATHER_BELOW = 16 * 1024  # pieces smaller than this are joined before a transport write
+# --- reply checks: each returns what its command can answer, or raises ------------------------
 
 
-class _GatherWrites:
-    """Connection mixin: send a command's large pieces with a transport write each.
-
-    redis-py sends a packed command with ``StreamWriter.writelines``, which on Python 3.11
-    joins every piece into one new bytes object first: for a stored value, one more copy of
-    the whole object on the event loop (~100 us per MiB, measured). ``transport.write`` hands
-    a large piece to ``socket.send`` directly and only buffers (copies) what the socket did
-    not take. Small pieces (headers, whole small commands) are still joined into one write.
-    """
-
-    _writer: asyncio.StreamWriter | None
-    _reader: asyncio.StreamReader | None
-    socket_timeout: float | None
-    protocol: int
-
-    async def send_packed_command(
-        self, command: bytes | str | Iterable[Buffer], check_health: bool = True
-    ) -> None:
-        """redis-py's send under ``asyncio.timeout`` instead of ``asyncio.wait_for``, which on
-        Python 3.11 wraps every send in a new task; same errors, same disconnects."""
-        base: Any = super()
-        if (
-            not self.socket_timeout
-            or self._writer is None
-            or check_health
-            or isinstance(command, bytes | str)
-        ):
-            return await base.send_packed_command(command, check_health)  # type: ignore[no-any-return]
-        try:
-            async with asyncio.timeout(self.socket_timeout):
-                await self._send_packed_command(command)
-        except TimeoutError:
-            await base.disconnect(nowait=True)
-            raise rexc.TimeoutError("Timeout writing to socket") from None
-        except OSError as exc:
-            await base.disconnect(nowait=True)
-            raise rexc.ConnectionError(f"Error while writing to socket: {exc}") from exc
-        except BaseException:
-            await base.disconnect(nowait=True)
-            raise
-
-    async def read_values(self) -> list[Buffer | None]:
-        """One ``MGET`` reply (an array of bulk strings or nulls; RESP2 or RESP3), each value
-        a view of the bytes read: redis-py's parser copies every value once more
-        (``data[:-2]``), one more 1 MiB copy per object on the event loop. Errors are
-        redis-py's: an error reply raises its exception class, a timeout ``TimeoutError``, a
-        closed connection ``ConnectionError``; the caller disconnects on any of them."""
-        reader = self._reader
-        if reader is None or self.protocol not in (2, 3):  # pragma: no cover - not connected
-            base: Any = super()
-            return await base.read_response()  # type: ignore[no-any-return]
-        try:
-            async with asyncio.timeout(self.socket_timeout):
-                return await _read_bulk_array(reader)
-        except TimeoutError:
-            raise rexc.TimeoutError("Timeout reading from socket") from None
-        except (asyncio.IncompleteReadError, OSError) as exc:
-            raise rexc.ConnectionError(f"Error while reading from socket: {exc!r}") from exc
-
-    async def _send_packed_command(self, command: Iterable[Buffer]) -> None:
-        writer = self._writer
-        if writer is None:  # pragma: no cover - redis-py connects before sending
-            raise rexc.ConnectionError("not connected")
-        small: list[Buffer] = []
-        for piece in command:
-            view = memoryview(piece)
-            if view.nbytes < _GATHER_BELOW:
-                small.append(piece)
-                continue
-            if small:
-                writer.write(b"".join(small))
-                small = []
-            writer.write(view)
-        if small:
-            writer.write(b"".join(small))
-        await writer.drain()
+def _strlen(reply: Reply) -> int | _Wrong:
+    if type(reply) is int and reply >= 0:
+        return reply
+    return _wrong_type(reply)
 
 
-async def _read_bulk_array(reader: asyncio.StreamReader) -> list[Buffer | None]:
-    line = await reader.readuntil(b"\r\n")
-    if line[:1] == b"-":
-        raise BaseParser.parse_error(line[1:-2].decode(errors="replace"))  # type: ignore[no-untyped-call]
-    if line[:1] != b"*":
-        raise rexc.InvalidResponse(f"expected an array reply, got {line[:32]!r}")
-    values: list[Buffer | None] = []
-    for _ in range(int(line[1:-2])):
-        line = await reader.readuntil(b"\r\n")
-        if line == b"_\r\n":  # RESP3 null
-            values.append(None)
-            continue
-        if line[:1] != b"$":
-            raise rexc.InvalidResponse(f"expected a bulk string, got {line[:32]!r}")
-        n = int(line[1:-2])
-        if n < 0:
-            values.append(None)
-            continue
-        data = await reader.readexactly(n + 2)
-        if data[n:] != b"\r\n":
-            raise rexc.InvalidResponse("bulk string not terminated by CRLF")
-        values.append(memoryview(data)[:n])
-    return values
+def _value(reply: Reply) -> memoryview | _Wrong | None:
+    if reply is None or type(reply) is memoryview:
+        return reply
+    return _wrong_type(reply)
 
 
-_GATHERING: dict[type[Any], type[Any]] = {}
+def _set_reply(reply: Reply) -> bool:
+    """``SET NX``: True when written, False when the key was taken."""
+    if reply is None:
+        return False
+    return _ok(reply)
 
 
-def _gathering(cls: type[Any]) -> type[Any]:
-    """``cls`` (the pool's connection class: TCP, TLS or Unix socket) with
-    :class:`_GatherWrites`, one subclass per class."""
-    if cls not in _GATHERING:
-        _GATHERING[cls] = type(f"Gathering{cls.__name__}", (_GatherWrites, cls), {})
-    return _GATHERING[cls]
+def _ok(reply: Reply) -> bool:
+    if reply == "OK":
+        return True
+    _unexpected(reply)
 
 
-def _reply_error(name: str, op: str, exc: rexc.RedisError) -> ConnectorError:
+def _pong(reply: Reply) -> None:
+    if reply != "PONG":
+        _unexpected(reply)
+
+
+def _count(limit: int) -> Callable[[Reply], int]:
+    def check(reply: Reply) -> int:
+        if type(reply) is int and 0 <= reply <= limit:
+            return reply
+        _unexpected(reply)
+
+    return check
+
+
+def _wrong_type(reply: Reply) -> _Wrong:
+    if isinstance(reply, ErrorReply) and reply.code == "WRONGTYPE":
+        return WRONG_TYPE
+    _unexpected(reply)
+
+
+def _unexpected(reply: Reply) -> NoReturn:
+    """An error reply raises redis-py's exception for it; anything else is out of protocol."""
+    if isinstance(reply, ErrorReply):
+        raise reply.exception()
+    shown = f"a {reply.nbytes}-byte string" if isinstance(reply, memoryview) else repr(reply)
+    raise ProtocolError(f"unexpected reply {shown[:60]}")
+
+
+def _denied(url: str, exc: rexc.RedisError) -> str:
+    if isinstance(exc, rexc.AuthenticationError):
+        what = "refused the credentials (wrong or missing password, or unknown ACL user)"
+    else:
+        what = "denied the command (the ACL user lacks a permission)"
+    return f"{url} {what}: {exc}"
+
+
+def _reply_error(exc: rexc.RedisError) -> tuple[type[ConnectorError], str]:
     if isinstance(exc, rexc.OutOfMemoryError):
-        return StorageFull(f"{name} {op}: server out of memory ({exc})")
+        return StorageFull, f"server out of memory ({exc})"
     if isinstance(exc, rexc.ReadOnlyError):
-        return StoragePermissionError(f"{name} {op}: server is read-only ({exc})")
-    return BackendError(f"{name} {op}: {exc}")
+        return StoragePermissionError, f"server is read-only ({exc})"
+    return BackendError, str(exc)
 
 
-def _pack_set(key: bytes, enc: EncodedBlock, *, nx: bool, ttl: int | None) -> list[Buffer]:
-    """``SET key <value> [NX] [EX ttl]``, the value sent as the encoder's pieces (no join)."""
-    options = [b"NX"] if nx else []
-    if ttl is not None:
-        options += [b"EX", str(ttl).encode()]
-    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-        3 + len(options),
-        len(key),
-        key,
-        enc.nbytes,
-    )
-    tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(o), o) for o in options)
-    return [head, *enc.parts, tail]
+def _public_url(url: str) -> str:
+    """``url`` without its password (in the userinfo or a ``password=`` query argument)."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user, host = parts.username or "", netloc.rpartition("@")[2]
+            netloc = f"{user}:***@{host}"
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="*")
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:  # not a URL redis-py accepts either; show nothing that could leak
+        return "<unparsable redis url>"
 
 
-def _pack(*args: bytes) -> bytes:
-    """A RESP command of bulk strings (keys are validated hex, names are constants)."""
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+def _secret_forms(password: object) -> list[str]:
+    """The ways a password can show up in a message: as is and percent-encoded."""
+    if not isinstance(password, str) or not password:
+        return []
+    forms = {password, quote(password, safe=""), quote_plus(password, safe="")}
+    return sorted(forms, key=len, reverse=True)  # longest first: no partial replacements
 
 
 def _batches(ids: Sequence[str], size: int) -> list[Sequence[str]]:
