@@ -11,7 +11,15 @@ hex, so no name from a request can reach the file system.
   before a write starts, least-recently-used objects are evicted to make it, and their files
   are unlinked before the new file is created.
 * **Recovery.** :meth:`DiskConnector.start` (run on first use) rebuilds the index by scanning
-  the tree, oldest modification first, and trims it to the budget.
+  the tree, oldest modification first, and trims it to the budget. Only regular files are
+  indexed.
+* **Nothing in the directory is trusted** (see :mod:`connectors.diskio`). Every file
+  operation is relative to the root's descriptor and resolves through no symbolic link, so
+  nothing planted in the tree sends a read, write or delete outside it; files are opened
+  without waiting (a FIFO, socket or device node cannot block the loop or an I/O thread);
+  whatever is not an object file at an object's path (or is bigger than the budget) is a
+  miss counted in ``corrupt_detected`` and removed, and a put replaces whatever squats on
+  its path, its temp name or its directories.
 * **Failures stay local.** ENOSPC/EDQUOT become :class:`StorageFull`, EACCES/EPERM/EROFS
   :class:`StoragePermissionError`, the temp file is removed and the index is unchanged.
 
@@ -23,20 +31,26 @@ hex, so no name from a request can reach the file system.
   costs the loop about what the thread hand-off alone would (and saves the thread), so a
   warm disk tier loads at memory-copy speed. ``inline_read_bytes=0`` turns it off.
 
-Everything else that touches the disk runs on a dedicated thread pool (``aiofiles``
-wrappers, and the executor directly for stores). Each object is one executor job (open,
-write, fsync, rename; or open, read, verify), so a 1 MiB object costs one thread hand-off,
-not four. The payload checksum is computed on the I/O thread, next to the write or read
-(xxh3 releases the GIL, so the event loop keeps running meanwhile): a store gets a
-:class:`~kvplugin.serde.DraftBlock` from the loop and hashes its payload right before
-writing it; a threaded load is verified right after its read (every load is verified). A
-store whose caller times out or is cancelled still completes or cleans up in the
-background and keeps the index exact.
+Everything else that touches the disk runs on a dedicated thread pool. Each object is one
+executor job (open, write, fsync, rename; or open, read, verify), so a 1 MiB object costs
+one thread hand-off, not four. The payload checksum is computed on the I/O thread, next to
+the write or read (xxh3 releases the GIL, so the event loop keeps running meanwhile): a
+store gets a :class:`~kvplugin.serde.DraftBlock` from the loop and hashes its payload right
+before writing it; a threaded load is verified right after its read (every load is
+verified).
+
+A store whose caller times out or is cancelled is settled before the caller gets control
+back (see ``_Write``): a write not yet begun is dropped, one under way finishes from a copy
+of the caller's bytes taken then, so no later change to the caller's buffer can reach the
+disk, and the index stays exact either way. ``aclose`` waits at most ``_CLOSE_WAIT``
+seconds for writes in flight.
 
 One connector per directory, enforced: an open connector holds an exclusive ``flock`` on
-``<root>/.kvplugin.lock``, and a second one (in any process) fails to start with
-:class:`DirectoryInUse`, which names the holder's pid. The kernel releases the lock when
-its holder exits, even by SIGKILL.
+the root directory itself, and a second one (in any process) fails to start with
+:class:`DirectoryInUse`, which names the holder's pid (from ``<root>/.kvplugin.lock``, an
+informational file: removing it releases nothing). The kernel releases the lock when its
+holder exits, even by SIGKILL; a thread of a closed connector still stuck on a hung device
+keeps it until that thread returns.
 """
 
 from __future__ import annotations
@@ -44,19 +58,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
-import fcntl
 import functools
 import itertools
 import logging
 import os
-import re
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, TypeVar
 
-import aiofiles.os
-import pyarrow as pa  # type: ignore[import-untyped]
-
+from connectors import diskio
 from connectors.base import (
     BackendError,
     BackendUnavailable,
@@ -72,34 +84,28 @@ from connectors.base import (
     encode_once,
     finish,
 )
+from connectors.diskio import LOCK_NAME, DirectoryInUse, ForeignObject, RootDir
 from connectors.keys import NS_HEX_LEN, ObjectKey
 from connectors.nowait import NoWaitReader
 from kvplugin import serde
-from kvplugin.serde import Block, BlockFormatError
+from kvplugin.serde import Block, EncodedBlock
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Callable, Sequence
 
     from typing_extensions import Buffer
 
 T = TypeVar("T")
 
-__all__ = ["DirectoryInUse", "DiskConnector"]
+__all__ = ["LOCK_NAME", "DirectoryInUse", "DiskConnector"]
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
-LOCK_NAME = ".kvplugin.lock"
 _CLOSE_WAIT = 30.0  # seconds aclose() waits for writes in flight
-_NS_RE = re.compile(r"[0-9a-f]{32}")
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_FILE_RE = re.compile(r"[0-9a-f]{64}\.kvb")
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
-
-
-class DirectoryInUse(BackendUnavailable):
-    """Another open DiskConnector (in this or another process) holds the directory."""
+_UNREADABLE = {errno.EACCES, errno.EPERM, errno.EIO}
 
 
 class DiskConnector(StoreBase):
@@ -114,6 +120,8 @@ class DiskConnector(StoreBase):
         io_threads: int = 4,
         inline_read_bytes: int = 4 << 20,
         name: str = "disk",
+        secret: bytes | None = None,
+        previous_secrets: Sequence[bytes] = (),
     ) -> None:
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -128,6 +136,8 @@ class DiskConnector(StoreBase):
             capabilities=Capabilities(
                 tier="disk", persistent=True, shared=False, max_object_bytes=capacity_bytes
             ),
+            secret=secret,
+            previous_secrets=previous_secrets,
         )
         self.root = os.fspath(root)
         self.capacity_bytes = capacity_bytes
@@ -138,11 +148,11 @@ class DiskConnector(StoreBase):
         self._index: OrderedDict[str, int] = OrderedDict()  # id -> size, LRU first
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes of writes in flight
-        self._pending: dict[str, asyncio.Future[None]] = {}
+        self._pending: dict[str, _Write] = {}  # at most one write in flight per id
         self._started: asyncio.Task[None] | None = None
         self._ready = False
         self._tmp_names = itertools.count()
-        self._lock_fd: int | None = None  # holds the directory's flock while open
+        self._root: RootDir | None = None  # the open, locked directory (see diskio)
         # Cached reads on the loop: at most this many bytes per call (0: never).
         self.inline_read_bytes = inline_read_bytes
         self._nowait = NoWaitReader.create() if inline_read_bytes else None
@@ -160,18 +170,24 @@ class DiskConnector(StoreBase):
         await asyncio.shield(self._started)
 
     async def _scan(self) -> None:
+        job = self._executor.submit(diskio.lock_and_scan, self.root, self.capacity_bytes)
         try:
-            lock_fd, found, temps = await _lock_and_scan_async(self.root, executor=self._executor)
+            root, found, temps, foreign = await asyncio.wrap_future(job)
         except OSError as exc:
             self._started = None  # let a later call retry
             raise _os_error(exc, f"scanning {self.root}") from exc
         except ConnectorError:
             self._started = None  # e.g. the directory's owner exits later
             raise
+        except asyncio.CancelledError:  # the loop is going away: let the directory go
+            self._started = None
+            job.add_done_callback(_close_scanned_root)
+            raise
         if self._closed:  # closed while the scan ran: let the directory go again
-            os.close(lock_fd)
+            root.close()
             return
-        self._lock_fd = lock_fd
+        self._root = root
+        self._stats.corrupt_detected += foreign  # removed: not object files
         for sid, size in found:
             self._index[sid] = size
             self._used += size
@@ -180,25 +196,28 @@ class DiskConnector(StoreBase):
             await self._unlink(victims)
         self._ready = True
         logger.info(
-            "%s: %d objects (%d bytes) recovered from %s; %d temp files removed, %d evicted",
+            "%s: %d objects (%d bytes) recovered from %s; %d temp files and %d foreign "
+            "entries removed, %d evicted",
             self.name,
             len(self._index),
             self._used,
             self.root,
             temps,
+            foreign,
             len(victims),
         )
 
     async def _close(self) -> None:
-        pending = list(self._pending.values())
+        pending = [w.done for w in self._pending.values()]
         if pending:  # in-flight writes finish so no temp file is left behind
             _, stuck = await asyncio.wait(pending, timeout=_CLOSE_WAIT)
             if stuck:  # a hung device must not hang shutdown; the next start cleans up
                 logger.warning("%s: closing with %d writes still running", self.name, len(stuck))
         self._executor.shutdown(wait=False)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the directory
-            self._lock_fd = None
+        if self._root is not None:
+            # Releases the directory, at once or when the last running job ends.
+            self._root.close()
+            self._root = None
 
     @property
     def used_bytes(self) -> int:
@@ -209,16 +228,15 @@ class DiskConnector(StoreBase):
 
     def path_for(self, sid: str) -> str:
         """The final file path of a storage id (validated hex: nothing to escape)."""
-        ns, obj = sid[:NS_HEX_LEN], sid[NS_HEX_LEN:]
-        return f"{self.root}/{ns}/{obj[:2]}/{obj}{SUFFIX}"
+        return f"{self.root}/{_rel(sid)}"
 
     # primitives -----------------------------------------------------------------------------
 
     def _encode(self, block: Block) -> Encoded:
         # A draft: the I/O thread hashes the payload as it writes it (see _write_object).
         if block.encoded is not None:
-            return encode_once(block)
-        return serde.prepare(block.meta, block.payload)
+            return encode_once(block, self.codec)
+        return serde.prepare(block.meta, block.payload, self.codec)
 
     async def _prefix_present(self, ids: list[str]) -> int:
         if not self._ready:
@@ -231,18 +249,22 @@ class DiskConnector(StoreBase):
         return n
 
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
-        return await self._reads(ids, _fetch_async)
+        reads = await self._reads(ids, diskio.read_file)
+        return [None if isinstance(r, ForeignObject) else r for r in reads]
 
     async def _load(self, keys: list[ObjectKey]) -> list[Loaded]:
         # The payload is hashed on the I/O thread right after the read (cache-hot, GIL
         # free); the rest of the verification (envelope, frame checksum, metadata) is small
         # Python and runs here: on the I/O threads it waited for the GIL behind the loop.
         ids = [k.id for k in keys]
-        reads = await self._reads(ids, _read_hashed_async)
-        return [
-            None if r is None else decode_or_error(r[0], sid, r[1])
-            for sid, r in zip(ids, reads, strict=True)
-        ]
+        reads = await self._reads(ids, functools.partial(_read_hashed, codec=self.codec))
+        out: list[Loaded] = []
+        for sid, r in zip(ids, reads, strict=True):
+            if r is None or isinstance(r, ForeignObject):  # a foreign one is dropped as corrupt
+                out.append(r)
+            else:
+                out.append(decode_or_error(r[0], sid, r[1], codec=self.codec))
+        return out
 
     def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
         """Load on the loop what the kernel can serve from memory without waiting (see
@@ -254,14 +276,16 @@ class DiskConnector(StoreBase):
         so this saves the threads' CPU and the hand-off latency; the allowance bounds how
         long one call holds the loop."""
         out: list[Loaded] = [None] * len(keys)
-        reader, index = self._nowait, self._index
-        if reader is None or not reader.supported or not self._ready:
+        reader, index, root = self._nowait, self._index, self._root
+        if reader is None or not reader.supported or not self._ready or root is None:
             return out, range(len(keys))
         left = self.inline_read_bytes
         rest = []
         for i, key in enumerate(keys):
             sid = key.id
-            raw = reader.read(self.path_for(sid), left) if sid in index else None
+            # Beneath the root's descriptor, through no link; anything unusual (not cached,
+            # not a regular file, ...) is left to the threads, which look at it properly.
+            raw = reader.read(_rel(sid), left, root.fd) if sid in index else None
             if raw is None:
                 rest.append(i)
                 if not reader.supported:  # switched itself off: the threads do the rest
@@ -271,21 +295,25 @@ class DiskConnector(StoreBase):
             left -= raw.nbytes
             self.inline_reads += 1
             index.move_to_end(sid)
-            out[i] = decode_or_error(raw, sid)
+            out[i] = decode_or_error(raw, sid, codec=self.codec)
         return out, rest
 
     async def _reads(
-        self, ids: list[str], run: Callable[..., Awaitable[T | None]]
-    ) -> list[T | None]:
-        """Run one read job per indexed id; unreadable or vanished files are misses."""
+        self, ids: list[str], read: Callable[[int, str, int], T | ForeignObject | None]
+    ) -> list[T | ForeignObject | None]:
+        """Run ``read(root_fd, rel_path, max_bytes)`` on the I/O threads per indexed id;
+        unreadable or vanished files are misses, foreign ones come back as values."""
         if not self._ready:
             await self.start()
+        root = self._root
+        if root is None:
+            raise BackendUnavailable(f"{self.name} is closed")
         index = self._index
         wanted = [i for i, sid in enumerate(ids) if sid in index]
         for i in wanted:
             index.move_to_end(ids[i])
-        ex = self._executor
-        jobs = [run(self.path_for(ids[i]), ids[i], executor=ex) for i in wanted]
+        loop, ex, cap = asyncio.get_running_loop(), self._executor, self.capacity_bytes
+        jobs = [loop.run_in_executor(ex, root.run, read, _rel(ids[i]), cap) for i in wanted]
         if len(jobs) == 1:  # the common case, without a task per file
             try:
                 results: list[object] = [await jobs[0]]
@@ -293,10 +321,10 @@ class DiskConnector(StoreBase):
                 results = [exc]
         else:
             results = await asyncio.gather(*jobs, return_exceptions=True)
-        out: list[T | None] = [None] * len(ids)
+        out: list[T | ForeignObject | None] = [None] * len(ids)
         for i, res in zip(wanted, results, strict=True):
-            # A BlockFormatError here is a value (a damaged object), not a failed read.
-            if isinstance(res, BaseException) and not isinstance(res, BlockFormatError):
+            # A ForeignObject is a value (an exception, but returned, never raised).
+            if isinstance(res, BaseException) and not isinstance(res, ForeignObject):
                 self._read_failed(ids[i], res)
             elif res is None:  # deleted behind our back
                 self._forget(ids[i])
@@ -310,6 +338,10 @@ class DiskConnector(StoreBase):
             raise exc
         self._stats.errors += 1
         logger.warning("%s: reading %s failed: %s", self.name, sid, exc)
+        if exc.errno in _UNREADABLE:
+            # For good, as far as we can tell: forget it, so that lookups agree with loads
+            # and a later put replaces the file instead of answering EXISTS forever.
+            self._forget(sid)
 
     async def _store(
         self, items: list[tuple[str, Encoded]], *, overwrite: bool
@@ -328,46 +360,65 @@ class DiskConnector(StoreBase):
         return results  # type: ignore[return-value]
 
     async def _store_one(self, sid: str, enc: Encoded, overwrite: bool) -> PutOutcome:
-        pending = self._pending.get(sid)
-        if pending is not None:  # the same object is being written: wait for that write
-            await asyncio.wait([pending])
-        if sid in self._index:
-            if not overwrite:
+        size = enc.nbytes
+        # Everything is checked again after each wait: another put of this id may have begun
+        # or ended meanwhile. One write per id at a time keeps _pending exact, so every
+        # reserved byte belongs to a write that can be waited for.
+        while True:
+            pending = self._pending.get(sid)
+            if pending is not None:  # the same object is being written: wait for that write
+                await asyncio.wait([pending.done])
+            elif sid in self._index and not overwrite:
                 self._index.move_to_end(sid)
                 return PutOutcome.EXISTS
-            self._forget(sid)  # the rename replaces the file
-        size = enc.nbytes
-        if size > self.capacity_bytes:
-            return PutOutcome.REJECTED
-        while size + self._reserved > self.capacity_bytes:
-            # The budget is held by writes in flight: wait for one instead of overshooting.
-            await asyncio.wait(list(self._pending.values()), return_when=asyncio.FIRST_COMPLETED)
-        if sid in self._index and not overwrite:
-            return PutOutcome.EXISTS  # written by a concurrent put while we waited
-        victims = [self.path_for(v) for v in self._evict_until(size)]
-        self._reserved += size
-        path = self.path_for(sid)
-        tmp = os.path.join(
-            os.path.dirname(path), f".{sid[NS_HEX_LEN:]}.{os.getpid()}.{next(self._tmp_names)}.tmp"
-        )
+            elif size > self.capacity_bytes:
+                return PutOutcome.REJECTED
+            elif size + self._reserved > self.capacity_bytes:
+                # The budget is held by writes in flight: wait for one instead of overshooting.
+                held = [w.done for w in self._pending.values()]
+                await asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                break
+        root = self._root
+        if root is None:
+            raise BackendUnavailable(f"{self.name} is closed")
+        replaced = []
+        if sid in self._index:  # an overwrite: the old file goes first, like a victim
+            self._forget(sid)
+            replaced.append(_rel(sid))
+        victims = [_rel(v) for v in self._evict_until(size)] + replaced
+        return await self._write_file(root, sid, enc, victims)
+
+    async def _write_file(
+        self, root: RootDir, sid: str, enc: Encoded, victims: list[str]
+    ) -> PutOutcome:
+        directory, _, name = _rel(sid).rpartition("/")
+        tmp = f".{sid[NS_HEX_LEN:]}.{os.getpid()}.{next(self._tmp_names)}.tmp"
         loop = asyncio.get_running_loop()
-        # Two futures: ``done`` marks the write as pending for the budget and for later
-        # writers of the same object, and no caller ever awaits it directly, so nothing
-        # cancels it; ``waiter`` is the caller's. A cancelled caller leaves the write to
-        # finish (or clean up) on its own, and _write_done keeps the index and the budget
-        # exact either way, then wakes the caller. The job reports back with one
-        # call_soon_threadsafe (run_in_executor would add a wrapping future and two
-        # chaining callbacks, ~4 us of loop time per store).
-        done: asyncio.Future[None] = loop.create_future()
+        # Two futures: ``write.done`` marks the write as pending for the budget and for
+        # later writers of the same object, and no caller ever awaits it directly, so
+        # nothing cancels it; ``waiter`` is the caller's. _write_done keeps the index and
+        # the budget exact however the write ends, then wakes the caller. The job reports
+        # back with one call_soon_threadsafe (run_in_executor would add a wrapping future
+        # and two chaining callbacks, ~4 us of loop time per store).
+        write = _Write(loop.create_future())
         waiter: asyncio.Future[None] = loop.create_future()
-        report = functools.partial(self._write_done, sid, size, waiter, done)
-        job = self._executor.submit(_write_object, path, tmp, enc, self.fsync, victims)
-        self._pending[sid] = done
+        job = self._executor.submit(
+            root.run, _write_object, directory, name, tmp, enc, self.fsync, victims, write
+        )
+        self._reserved += enc.nbytes
+        self._pending[sid] = write
+        report = functools.partial(self._write_done, sid, enc.nbytes, waiter, write)
         job.add_done_callback(functools.partial(_call_on, loop, report))
         try:
             await waiter
         except OSError as exc:
-            raise _os_error(exc, f"writing {path}") from exc
+            raise _os_error(exc, f"writing {self.path_for(sid)}") from exc
+        except asyncio.CancelledError:
+            # Cancelled, or out of time: the caller gets control back when this propagates
+            # and may reuse its buffers at once, so the job must be done with them first.
+            write.abandon(enc)
+            raise
         return PutOutcome.WRITTEN
 
     def _write_done(
@@ -375,20 +426,20 @@ class DiskConnector(StoreBase):
         sid: str,
         size: int,
         waiter: asyncio.Future[None],
-        done: asyncio.Future[None],
-        job: concurrent.futures.Future[None],
+        write: _Write,
+        job: concurrent.futures.Future[bool],
     ) -> None:
         """Runs on the loop when a write job ends, before any waiter resumes."""
         self._reserved -= size
-        if self._pending.get(sid) is done:
+        if self._pending.get(sid) is write:
             del self._pending[sid]
-        done.set_result(None)
+        write.done.set_result(None)
         exc = None if job.cancelled() else job.exception()
-        if job.cancelled() or exc is not None:
-            if exc is not None:
-                logger.debug("%s: writing %s failed: %s", self.name, sid, exc)
-        else:
-            self._forget(sid)  # an overwrite replaced the file
+        published = exc is None and not job.cancelled() and job.result()
+        if exc is not None:
+            logger.debug("%s: writing %s failed: %s", self.name, sid, exc)
+        if published:
+            self._forget(sid)
             self._index[sid] = size
             self._used += size
         if waiter.done():  # the caller was cancelled: nobody to tell
@@ -397,13 +448,15 @@ class DiskConnector(StoreBase):
             waiter.cancel()
         elif exc is not None:
             waiter.set_exception(exc)
+        elif not published:  # only an abandoned write is dropped, so this is defensive
+            waiter.set_exception(OSError(errno.ECANCELED, "the write was dropped"))
         else:
             waiter.set_result(None)
 
     async def _remove(self, ids: list[str]) -> int:
         if not self._ready:
             await self.start()
-        pending = [self._pending[sid] for sid in ids if sid in self._pending]
+        pending = [self._pending[sid].done for sid in ids if sid in self._pending]
         if pending:
             await asyncio.wait(pending)
         for sid in ids:
@@ -413,12 +466,18 @@ class DiskConnector(StoreBase):
     async def _ping(self) -> None:
         if not self._ready:
             await self.start()
+        root = self._root
+        if root is None:
+            raise BackendUnavailable(f"{self.name} is closed")
+        loop = asyncio.get_running_loop()
         try:
-            ok = await _writable_async(self.root, executor=self._executor)
+            problem = await loop.run_in_executor(
+                self._executor, root.run, diskio.root_problem, self.root
+            )
         except OSError as exc:
             raise _os_error(exc, f"checking {self.root}") from exc
-        if not ok:
-            raise BackendUnavailable(f"{self.root} is not a writable directory")
+        if problem is not None:
+            raise BackendUnavailable(problem)
 
     # index helpers --------------------------------------------------------------------------
 
@@ -438,8 +497,13 @@ class DiskConnector(StoreBase):
         return victims
 
     async def _unlink(self, ids: Sequence[str]) -> int:
+        root = self._root
+        if root is None:
+            raise BackendUnavailable(f"{self.name} is closed")
+        rels = [_rel(s) for s in ids]
+        loop = asyncio.get_running_loop()
         try:
-            return await _unlink_async([self.path_for(s) for s in ids], executor=self._executor)
+            return await loop.run_in_executor(self._executor, root.run, diskio.remove_objects, rels)
         except OSError as exc:
             raise _os_error(exc, "deleting objects") from exc
 
@@ -459,34 +523,114 @@ def _os_error(exc: OSError, what: str) -> ConnectorError:
     return BackendError(f"{what}: {exc}")
 
 
-# --- blocking helpers (run on the connector's executor) ------------------------------------
+def _close_scanned_root(job: concurrent.futures.Future[diskio.Scanned]) -> None:
+    """A scan finished after its connector stopped waiting for it: release the directory."""
+    if not job.cancelled() and job.exception() is None:
+        job.result()[0].close()
 
 
-def _write_object(path: str, tmp: str, enc: Encoded, fsync: bool, victims: Sequence[str]) -> None:
-    _unlink_all(victims)  # make room first: the budget holds on disk, not only in the index
-    directory = os.path.dirname(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+def _rel(sid: str) -> str:
+    """``<namespace>/<shard>/<object>.kvb``: where an object lives beneath the root."""
+    ns, obj = sid[:NS_HEX_LEN], sid[NS_HEX_LEN:]
+    return f"{ns}/{obj[:2]}/{obj}{SUFFIX}"
+
+
+# --- the write job ---------------------------------------------------------------------------
+
+_QUEUED, _READING, _WRITTEN, _DROPPED = range(4)
+
+
+class _Write:
+    """One object write, shared by the loop and the I/O thread that runs it.
+
+    The payload is the caller's buffer, read (hashed, copied out) by the thread, and the
+    caller may reuse that buffer as soon as ``put`` is back with it, however it ended. So a
+    caller that stops waiting (cancelled, or out of time) calls :meth:`abandon` before it
+    gets control back, and the thread checks in with the lock held at two points:
+
+    * :meth:`begin`, before it touches the payload: an abandoned write is dropped;
+    * :meth:`written`, once the payload is in the temp file: if the caller left while the
+      thread was reading its buffer, the file may hold bytes changed since (hashed before
+      or after the change), so the thread writes it again from the copy that
+      :meth:`abandon` took (the bytes as they were when the caller left, sealed on the loop).
+
+    After :meth:`written` the file holds its final bytes and abandoning changes nothing.
+    Hashing stays on the I/O thread for every write that is not cut short; one that is cut
+    short while being written costs the loop one copy, and at most one write per I/O
+    thread can be in that state."""
+
+    __slots__ = ("_copy", "_mutex", "_state", "done")
+
+    def __init__(self, done: asyncio.Future[None]) -> None:
+        self.done = done  # resolved by _write_done; never awaited by a caller directly
+        self._mutex = threading.Lock()
+        self._state = _QUEUED
+        self._copy: EncodedBlock | None = None
+
+    def begin(self) -> bool:
+        with self._mutex:
+            if self._state == _DROPPED:
+                return False
+            self._state = _READING
+            return True
+
+    def written(self) -> EncodedBlock | None:
+        with self._mutex:
+            self._state = _WRITTEN
+            return self._copy
+
+    def abandon(self, enc: Encoded) -> None:
+        with self._mutex:
+            if self._state == _QUEUED:
+                self._state = _DROPPED
+            elif self._state == _READING:
+                sealed = finish(enc)
+                self._copy = dataclasses.replace(sealed, parts=(sealed.join(),))
+
+
+def _write_object(
+    root_fd: int,
+    directory: str,
+    name: str,
+    tmp: str,
+    enc: Encoded,
+    fsync: bool,
+    victims: Sequence[str],
+    write: _Write,
+) -> bool:
+    """Write ``enc`` to ``tmp`` and rename it to ``name`` in ``directory`` (beneath the
+    root); False when the caller abandoned it before it began (nothing written)."""
+    diskio.remove_objects(root_fd, victims)  # room first: the budget holds on disk too
+    if not write.begin():
+        return False
+    dfd = diskio.open_dir(root_fd, directory, create=True)
     try:
-        fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(tmp, flags, 0o644)
-    try:
+        fd = diskio.create_file(dfd, tmp)
         try:
-            # A draft's payload is hashed here, right before the write copies it out, so
-            # the copy reads it from this core's cache (measured: writing the payload in
-            # hashed chunks and the head last, at offset 0, was slower).
-            _write_all(fd, finish(enc).parts)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_all([tmp])
-        raise
-    if fsync:
-        _fsync_dir(directory)
+            try:
+                # A draft's payload is hashed here, right before the write copies it out, so
+                # the copy reads it from this core's cache (measured: writing the payload in
+                # hashed chunks and the head last, at offset 0, was slower).
+                _write_all(fd, finish(enc).parts)
+                copy = write.written()
+                if copy is not None:  # see _Write: the caller's bytes may have changed since
+                    os.ftruncate(fd, 0)
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    _write_all(fd, copy.parts)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            diskio.publish(dfd, tmp, name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                diskio.remove_entry(dfd, tmp)
+            raise
+        if fsync:
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return True
 
 
 def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
@@ -501,130 +645,13 @@ def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
                 n = 0
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 PayloadDigest = tuple[int, int, bytes]
 
 
-def _read_file(path: str) -> memoryview | None:
-    """The whole file in one pooled buffer; ``None`` when it does not exist.
-
-    One ``readv`` for the whole file: reading in L2-sized chunks and hashing each as it
-    arrived measured slower (4 threads, 1 MiB: 220 vs 210 us per object for 256 KiB chunks,
-    253 for 128 KiB; the extra syscalls cost more than the cache misses they avoid, since
-    1 MiB fits in this machine's 2 MiB L2 anyway)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        # A pooled, uninitialised buffer: no zero-fill and no fresh page faults while this
-        # thread holds the GIL (a 1 MiB bytearray stalls the event loop thread noticeably).
-        view = memoryview(pa.allocate_buffer(size))
-        got = 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if n == 0:  # shrank under us: hand back what is there, the checksum decides
-                return view[:got]
-            got += n
-        return view
-    finally:
-        os.close(fd)
-
-
-def _fetch_file(path: str, sid: str) -> memoryview | None:
-    return _read_file(path)
-
-
-def _read_hashed(path: str, sid: str) -> tuple[memoryview, PayloadDigest | None] | None:
-    raw = _read_file(path)
-    return None if raw is None else (raw, serde.hash_payload(raw))
-
-
-def _unlink_all(paths: Sequence[str]) -> int:
-    n = 0
-    for path in paths:
-        try:
-            os.unlink(path)
-            n += 1
-        except FileNotFoundError:
-            pass
-    return n
-
-
-def _writable(root: str) -> bool:
-    return os.path.isdir(root) and os.access(root, os.W_OK | os.X_OK)
-
-
-def _lock_and_scan(root: str) -> tuple[int, list[tuple[str, int]], int]:
-    """Take the directory (see :func:`_lock_root`), then scan it; the lock's descriptor is
-    returned, or closed if the scan fails."""
-    fd = _lock_root(root)
-    try:
-        return (fd, *_scan(root))
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _lock_root(root: str) -> int:
-    """An exclusive ``flock`` on ``<root>/.kvplugin.lock``, held while the connector is open.
-
-    Two connectors on one directory would each count the budget alone, and each one's start
-    would delete the other's in-flight temp files. The kernel drops the lock when its holder
-    exits, killed or not, so a crash never leaves the directory locked."""
-    os.makedirs(root, exist_ok=True)
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        raise DirectoryInUse(
-            f"{root} is in use by another DiskConnector (pid {holder}); "
-            "give each connector its own directory"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _scan(root: str) -> tuple[list[tuple[str, int]], int]:
-    """Committed objects under ``root`` (oldest first) and the number of temp files removed."""
-    found: list[tuple[int, str, int]] = []
-    temps = 0
-    for ns in _subdirs(root, _NS_RE):
-        for shard in _subdirs(ns.path, _SHARD_RE):
-            with os.scandir(shard.path) as it:
-                for entry in it:
-                    if entry.name.endswith(".tmp"):
-                        temps += _unlink_all([entry.path])
-                    elif _FILE_RE.fullmatch(entry.name) and entry.name[:2] == shard.name:
-                        st = entry.stat(follow_symlinks=False)
-                        found.append((st.st_mtime_ns, ns.name + entry.name[:64], st.st_size))
-    found.sort()
-    return [(sid, size) for _, sid, size in found], temps
-
-
-def _subdirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
-    with os.scandir(path) as it:
-        return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-
-
-_unlink_async = aiofiles.os.wrap(_unlink_all)
-_writable_async = aiofiles.os.wrap(_writable)
-_lock_and_scan_async = aiofiles.os.wrap(_lock_and_scan)
-_fetch_async: Callable[..., Awaitable[memoryview | None]] = aiofiles.os.wrap(_fetch_file)
-_read_hashed_async: Callable[..., Awaitable[tuple[memoryview, PayloadDigest | None] | None]] = (
-    aiofiles.os.wrap(_read_hashed)
-)
+def _read_hashed(
+    root_fd: int, rel: str, limit: int, codec: serde.Codec
+) -> tuple[memoryview, PayloadDigest | None] | ForeignObject | None:
+    raw = diskio.read_file(root_fd, rel, limit)
+    if raw is None or isinstance(raw, ForeignObject):
+        return raw
+    return raw, serde.hash_payload(raw, codec)

@@ -16,9 +16,20 @@ connector's hot path: a file written or read recently is in the page cache, and 
 on the loop costs less CPU than handing the read to a thread and back (see
 ``benchmarks/README.md``).
 
+Only regular files are read: the file is opened with ``O_NONBLOCK`` (so a FIFO or a device
+node at the path cannot make the open wait for a peer) and ``O_NOCTTY``, and anything that
+``fstat`` does not call a regular file is refused, like an uncached one. Given a directory
+descriptor, the path is resolved beneath it and through no symbolic link
+(``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``), so a link planted in the tree cannot send the
+read elsewhere.
+
 Other kernels, other platforms and file systems that do not support these flags make
 :meth:`NoWaitReader.create` return ``None`` or :meth:`~NoWaitReader.read` switch itself
 off (``supported`` becomes false) on the first refusal that is not ``EAGAIN``.
+
+:func:`libc_openat2` is the raw ``openat2`` binding, shared with the disk connector's
+threaded reads and writes (which resolve beneath the root the same way, without
+``RESOLVE_CACHED``).
 """
 
 from __future__ import annotations
@@ -27,67 +38,117 @@ import ctypes
 import errno
 import logging
 import os
+import stat
 import sys
 from collections.abc import Callable
 
 import pyarrow as pa  # type: ignore[import-untyped]
 
-__all__ = ["NoWaitReader"]
+__all__ = [
+    "AT_FDCWD",
+    "RESOLVE_BENEATH",
+    "RESOLVE_CACHED",
+    "RESOLVE_NO_SYMLINKS",
+    "SYS_OPENAT2",
+    "NoWaitReader",
+    "OpenHow",
+    "libc_openat2",
+]
 
 logger = logging.getLogger(__name__)
 
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture (new syscall table)
-_AT_FDCWD = -100
-_RESOLVE_CACHED = 0x20
-# Refusals meaning "this kernel or file system cannot do it", as opposed to EAGAIN
-# ("not cached right now"). EPERM: O_NOATIME on a file this process does not own.
-_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.E2BIG}
+SYS_OPENAT2 = 437  # the same number on every Linux architecture (new syscall table)
+AT_FDCWD = -100
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_CACHED = 0x20
+# Refusals meaning "this kernel or file system cannot do it", as opposed to EAGAIN ("not
+# cached right now") or a per-file answer (ELOOP, ENXIO, EPERM for O_NOATIME on a file this
+# process does not own, ...), which only send that one file to the threads.
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.E2BIG}
+# Opening must never wait: not for a FIFO's writer, not for a device; and never adopt a
+# terminal. O_NOATIME keeps a read from dirtying the inode.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_NOATIME", 0)
 
 
-class _OpenHow(ctypes.Structure):
+class OpenHow(ctypes.Structure):
+    """``struct open_how`` of openat2(2)."""
+
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def libc_openat2() -> Callable[..., int] | None:
+    """libc's ``syscall`` set up for ``syscall(SYS_OPENAT2, dirfd, path, &how, sizeof how)``
+    (the descriptor, or -1 with ``ctypes.get_errno()`` set), or ``None`` off Linux and where
+    the kernel (before 5.6) or a seccomp filter (EPERM) refuses ``openat2``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    # syscall(2) is variadic and reads every argument as a long: pass longs, not ints.
+    long_ = ctypes.c_long
+    syscall.restype = long_
+    syscall.argtypes = [long_, long_, ctypes.c_char_p, ctypes.c_void_p, long_]
+    probe = OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, RESOLVE_CACHED)
+    fd = syscall(SYS_OPENAT2, AT_FDCWD, b"/", ctypes.byref(probe), ctypes.sizeof(probe))
+    if fd < 0:
+        return None
+    os.close(fd)
+    return syscall
 
 
 class NoWaitReader:
     """Whole-file reads from the kernel's caches only; see the module docstring."""
 
-    __slots__ = ("_how", "_how_ref", "_how_size", "_syscall", "supported")
+    __slots__ = (
+        "_beneath",
+        "_beneath_ref",
+        "_how",
+        "_how_ref",
+        "_how_size",
+        "_syscall",
+        "supported",
+    )
 
     def __init__(self, syscall: Callable[..., int]) -> None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
-        self._how = _OpenHow(flags, 0, _RESOLVE_CACHED)
+        self._how = OpenHow(_READ_FLAGS, 0, RESOLVE_CACHED)
         self._how_ref = ctypes.byref(self._how)
         self._how_size = ctypes.sizeof(self._how)
+        self._beneath = OpenHow(
+            _READ_FLAGS, 0, RESOLVE_CACHED | RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS
+        )
+        self._beneath_ref = ctypes.byref(self._beneath)
         self._syscall = syscall
         self.supported = True
 
     @classmethod
     def create(cls) -> NoWaitReader | None:
         """A reader, or ``None`` where the platform lacks ``openat2``/``preadv2``."""
-        if not sys.platform.startswith("linux") or not hasattr(os, "RWF_NOWAIT"):
+        if not hasattr(os, "RWF_NOWAIT"):
             return None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            syscall = libc.syscall
-        except (OSError, AttributeError):
-            return None
-        # syscall(2) is variadic and reads every argument as a long: pass longs, not ints.
-        long_ = ctypes.c_long
-        syscall.restype = long_
-        syscall.argtypes = [long_, long_, ctypes.c_char_p, ctypes.c_void_p, long_]
-        return cls(syscall)
+        syscall = libc_openat2()
+        return None if syscall is None else cls(syscall)
 
-    def read(self, path: str, limit: int) -> memoryview | None:
-        """The whole file at ``path`` if it is at most ``limit`` bytes and entirely cached,
-        else ``None`` (nothing is left open either way). Never blocks on a device."""
+    def read(self, path: str, limit: int, dirfd: int = AT_FDCWD) -> memoryview | None:
+        """The whole regular file at ``path`` if it is at most ``limit`` bytes and entirely
+        cached, else ``None`` (nothing is left open either way). Never blocks on a device.
+
+        With ``dirfd``, ``path`` is relative to that directory and must resolve beneath it
+        through no symbolic link (a refusal, like anything else unusual, is ``None``: the
+        caller's threaded read looks at the file properly)."""
         name = os.fsencode(path)
-        fd = self._syscall(_SYS_OPENAT2, _AT_FDCWD, name, self._how_ref, self._how_size)
+        how = self._how_ref if dirfd == AT_FDCWD else self._beneath_ref
+        fd = self._syscall(SYS_OPENAT2, dirfd, name, how, self._how_size)
         if fd < 0:
             self._refused(ctypes.get_errno(), "openat2")
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size > limit or size == 0:
+            st = os.fstat(fd)
+            size = st.st_size
+            if size > limit or size == 0 or not stat.S_ISREG(st.st_mode):
                 return None
             # Pooled and uninitialised, like the threaded read: no zero-fill, no page faults.
             view = memoryview(pa.allocate_buffer(size))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
+import time
 
 import pytest
 from conn_testlib import T, make_items, namespace, same
@@ -80,6 +82,73 @@ def test_reader_switches_itself_off_when_the_kernel_refuses(tmp_path: os.PathLik
     reader = NoWaitReader(no_openat2)
     assert reader.read(path, 1 << 20) is None
     assert not reader.supported and len(calls) == 1
+
+
+def test_reader_never_waits_on_a_fifo_and_reads_regular_files_only(
+    tmp_path: os.PathLike[str],
+) -> None:
+    reader = _supported(tmp_path)
+    fifo = os.path.join(tmp_path, "fifo")
+    os.mkfifo(fifo)
+    rescued = []
+
+    def rescue() -> None:  # a reader blocked in open() is let go (and the test fails)
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            rescued.append(fifo)
+        except OSError:
+            pass
+
+    timer = threading.Timer(2.0, rescue)
+    timer.start()
+    try:
+        started = time.monotonic()
+        assert reader.read(fifo, 1 << 20) is None
+        assert time.monotonic() - started < 1.0 and not rescued
+    finally:
+        timer.cancel()
+    os.mkdir(os.path.join(tmp_path, "dir"))
+    assert reader.read(os.path.join(tmp_path, "dir"), 1 << 20) is None
+    assert reader.supported
+
+
+def test_reader_given_a_directory_stays_beneath_it_through_no_link(
+    tmp_path: os.PathLike[str],
+) -> None:
+    reader = _supported(tmp_path)
+    root = os.path.join(tmp_path, "root")
+    os.makedirs(os.path.join(root, "sub"))
+    data = os.urandom(1000)
+    for path in (os.path.join(root, "sub", "f"), os.path.join(tmp_path, "outside")):
+        with open(path, "wb") as f:
+            f.write(data)
+    os.symlink(os.path.join(tmp_path, "outside"), os.path.join(root, "sub", "link"))
+    os.symlink(os.path.join(root, "sub"), os.path.join(root, "linked"))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        got = reader.read("sub/f", 1 << 20, fd)
+        assert got is not None and bytes(got) == data
+        for path in ("sub/link", "linked/f", "../outside", os.path.join(tmp_path, "outside")):
+            assert reader.read(path, 1 << 20, fd) is None, path
+    finally:
+        os.close(fd)
+    assert reader.supported
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.ELOOP, errno.ENXIO, errno.EXDEV])
+def test_a_refusal_about_one_file_does_not_switch_the_reader_off(
+    tmp_path: os.PathLike[str], code: int
+) -> None:
+    """EPERM: O_NOATIME on a file another user owns; the others: something that is not a
+    plain file is there. The threads look at that file; the next one is read inline."""
+
+    def refusing(*args: object) -> int:
+        ctypes.set_errno(code)
+        return -1
+
+    reader = NoWaitReader(refusing)
+    assert reader.read(os.path.join(tmp_path, "f"), 1 << 20) is None
+    assert reader.supported
 
 
 @pytest.mark.asyncio
