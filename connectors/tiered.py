@@ -7,6 +7,18 @@
   the next. Hits from a lower tier are copied to every tier above it in the background,
   reusing the verified bytes (no re-encoding); :meth:`TieredConnector.drain` waits for them.
 * ``lookup`` counts the prefix present in the *union* of the tiers.
+* ``delete`` sticks: once it returns, no read or promotion that overlapped it brings the
+  object back (see :meth:`TieredConnector.delete`). It raises when any tier could not
+  delete, even if the others did, because that tier may still hold the object; a retry is
+  safe.
+
+Promotions are best effort: at most ``max_promotions`` batches are in flight (the extra are
+dropped and counted in ``promotions_dropped``), a key already being promoted is not promoted
+twice, and a tier is skipped for objects bigger than its ``max_object_bytes``.
+
+A tier's backend trouble never leaves a public call as anything but what the protocol
+allows (a miss, an unhealthy report, a :class:`~connectors.base.ConnectorError`); any other
+exception from a tier (misuse, a bug) propagates, after every tier's call has ended.
 
 The tiered connector owns its tiers: ``aclose()`` closes them.
 """
@@ -16,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from connectors.base import (
     Capabilities,
     Connector,
     ConnectorError,
     ConnectorStats,
+    ConnectorTimeout,
     Deadline,
     Guarded,
     Health,
@@ -37,6 +52,31 @@ from kvplugin.serde import Block
 __all__ = ["TieredConnector"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(eq=False, slots=True)
+class _Read:
+    """One ``get`` in flight: the ids of keys a delete touched while it ran. Such a key is
+    never promoted by this get, since what it read may predate the delete."""
+
+    tombstones: set[str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Promotion:
+    ids: frozenset[str]
+    level: int  # the tier the objects were read from; they are copied to every tier above
+
+
+@dataclass(slots=True)
+class _Answer:
+    """What one ``get`` found. Counted only once complete: a cancelled get counts nothing,
+    so ``hits_by_tier`` always sums to the ``hits`` of :meth:`TieredConnector.stats`."""
+
+    blocks: list[Block | None]
+    by_tier: list[int]
+    timed_out: bool = False
 
 
 class TieredConnector(Guarded, Connector):
@@ -46,14 +86,18 @@ class TieredConnector(Guarded, Connector):
         *,
         promote: bool = True,
         promote_timeout: float = 5.0,
+        max_promotions: int = 64,
         name: str = "tiered",
     ) -> None:
         if not tiers:
             raise ValueError("a tiered connector needs at least one tier")
+        if type(max_promotions) is not int or max_promotions <= 0:
+            raise ValueError(f"max_promotions must be a positive int, got {max_promotions!r}")
         self.tiers = list(tiers)
         self.name = name
         self.promote = promote
         self.promote_timeout = check_timeout(promote_timeout)
+        self.max_promotions = max_promotions
         self.capabilities = Capabilities(
             tier="tiered",
             persistent=any(t.capabilities.persistent for t in self.tiers),
@@ -63,7 +107,13 @@ class TieredConnector(Guarded, Connector):
         self._stats = ConnectorStats()
         self._closed = False
         self.hits_by_tier = [0] * len(self.tiers)
-        self._promotions: set[asyncio.Task[None]] = set()
+        self.promotions_dropped = 0  # objects not promoted because max_promotions was reached
+        self._promotions: dict[asyncio.Task[None], _Promotion] = {}
+        # Key id -> the in-flight promotion copying it from the lowest tier (an optimisation
+        # only: delete() relies on _promotions, never on this).
+        self._promoting: dict[str, _Promotion] = {}
+        self._reads: set[_Read] = set()
+        self._deleting: dict[str, int] = {}  # key id -> deletes of it in progress
 
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()
@@ -81,7 +131,7 @@ class TieredConnector(Guarded, Connector):
                 break
             tier = self.tiers[turn % len(self.tiers)]
             turn += 1
-            found = await tier.lookup(keys[n:], timeout=remaining)
+            found = await self._tier_read(tier, "lookup", keys[n:], remaining, 0)
             n += found
             # A tier that answered stopped at a key it lacks: it is stalled at the new start.
             stalled = 1 if found else stalled + 1
@@ -94,35 +144,111 @@ class TieredConnector(Guarded, Connector):
         self._check_open()
         keys = check_keys(keys)
         deadline = Deadline.after(timeout)
-        out: list[Block | None] = [None] * len(keys)
+        # Deletes already running count as tombstones too: this get may reach a lower tier
+        # before their delete does there, and promote into a tier they have already cleared.
+        read = _Read(set(self._deleting))
+        self._reads.add(read)
+        try:
+            answer = await self._get(keys, deadline, read)
+        finally:
+            self._reads.discard(read)
+        for level, n in enumerate(answer.by_tier):
+            self.hits_by_tier[level] += n
+        hits = sum(answer.by_tier)
+        self._stats.hits += hits
+        self._stats.misses += len(keys) - hits
+        if answer.timed_out:
+            self._stats.timeouts += 1
+        return answer.blocks
+
+    async def _get(self, keys: list[ObjectKey], deadline: Deadline, read: _Read) -> _Answer:
+        answer = _Answer([None] * len(keys), [0] * len(self.tiers))
         missing = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
-            remaining = deadline.remaining()
-            if not missing or remaining <= 0:
+            if not missing:
                 break
-            blocks = await tier.get([keys[i] for i in missing], timeout=remaining)
-            found = [(keys[i], b) for i, b in zip(missing, blocks, strict=True) if b is not None]
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                answer.timed_out = True
+                break
+            asked = [keys[i] for i in missing]
+            blocks = await self._tier_read(tier, "get", asked, remaining, [None] * len(asked))
+            found: list[PutItem] = []
             for i, block in zip(missing, blocks, strict=True):
-                out[i] = block
-            self.hits_by_tier[level] += len(found)
+                if block is not None:
+                    answer.blocks[i] = block
+                    found.append((keys[i], block))
+            answer.by_tier[level] = len(found)
             if found and level and self.promote:
-                self._promote(found, self.tiers[:level])
-            missing = [i for i in missing if out[i] is None]
-        self._stats.hits += len(keys) - len(missing)
-        self._stats.misses += len(missing)
-        return out
+                self._promote(found, level, read)
+            missing = [i for i in missing if answer.blocks[i] is None]
+        return answer
 
-    def _promote(self, items: list[PutItem], upper: list[Connector]) -> None:
-        task = asyncio.ensure_future(self._promote_now(items, upper))
-        self._promotions.add(task)
-        task.add_done_callback(self._promotions.discard)
+    async def _tier_read(
+        self, tier: Connector, op: str, keys: list[ObjectKey], timeout: float, miss: T
+    ) -> T:
+        """``tier.get``/``tier.lookup``. A tier answers misses for backend trouble itself;
+        one that raises a ConnectorError anyway is read as missing everything, so that this
+        read still degrades instead of failing. Anything else (misuse, a bug) propagates."""
+        try:
+            result: T = await getattr(tier, op)(keys, timeout=timeout)
+        except ConnectorError as exc:
+            self._stats.errors += 1
+            logger.warning("%s: %s on %s raised, read as a miss: %r", self.name, op, tier.name, exc)
+            return miss
+        return result
+
+    # promotion -------------------------------------------------------------------------------
+
+    def _promote(self, found: list[PutItem], level: int, read: _Read) -> None:
+        """Copy lower-tier hits to the tiers above ``level``, in the background."""
+        items = [
+            (key, block)
+            for key, block in found
+            if key.id not in read.tombstones
+            and self._promoting_from(key.id) < level
+            # Only the verified bytes are copied: re-encoding the payload, which the caller
+            # holds and may change once get returns, could store a changed payload as valid.
+            and block.encoded is not None
+        ]
+        if not items or self._closed:  # aclose() has stopped the promotions for good
+            return
+        if len(self._promotions) >= self.max_promotions:
+            # A flood of lower-tier hits must not pile up tasks; a later hit promotes again.
+            self.promotions_dropped += len(items)
+            return
+        promotion = _Promotion(frozenset(key.id for key, _ in items), level)
+        task = asyncio.ensure_future(self._promote_now(items, self.tiers[:level]))
+        self._promotions[task] = promotion
+        for sid in promotion.ids:
+            self._promoting[sid] = promotion
+        task.add_done_callback(self._promoted)
+
+    def _promoting_from(self, sid: str) -> int:
+        """The level an in-flight promotion copies ``sid`` from; 0 for none (it copies to
+        the same tiers or more, so a hit at that level or above needs no promotion)."""
+        promotion = self._promoting.get(sid)
+        return 0 if promotion is None else promotion.level
+
+    def _promoted(self, task: asyncio.Task[None]) -> None:
+        promotion = self._promotions.pop(task)
+        for sid in promotion.ids:
+            # A promotion from a lower tier may have taken the key over: leave it that one.
+            if self._promoting.get(sid) is promotion:
+                del self._promoting[sid]
 
     async def _promote_now(self, items: list[PutItem], upper: list[Connector]) -> None:
         for tier in upper:
+            # A delete in progress waits for this promotion: do not copy what it removes.
+            batch = [(k, b) for k, b in items if k.id not in self._deleting and _fits(tier, b)]
+            if not batch:
+                continue
             try:
-                await tier.put(items, timeout=self.promote_timeout)
+                await tier.put(batch, timeout=self.promote_timeout)
             except ConnectorError as exc:  # counted by the tier itself
                 logger.info("%s: promotion to %s failed: %s", self.name, tier.name, exc)
+            except Exception:  # a bug in the tier: nobody awaits this task to see it raise
+                logger.exception("%s: promotion to %s raised", self.name, tier.name)
 
     async def _stop_promotions(self) -> None:
         tasks = list(self._promotions)
@@ -133,51 +259,119 @@ class TieredConnector(Guarded, Connector):
     async def drain(self) -> None:
         """Wait until the background promotions started so far have finished."""
         while self._promotions:
-            await asyncio.gather(*self._promotions, return_exceptions=True)
+            await asyncio.wait(list(self._promotions))
 
     async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
         self._check_open()
         timeout = check_timeout(timeout)
         # Encode once for all tiers; each tier stores the same bytes (and counts its errors).
-        ready = [(k, Block(b.meta, b.payload, encode_once(b))) for k, b in check_items(items)]
+        codec = self.codec  # the tiers' common codec (a ValueError if their secrets differ)
+        ready = [
+            (k, Block(b.meta, b.payload, encode_once(b, codec))) for k, b in check_items(items)
+        ]
         if not ready:
             return 0
         results = await asyncio.gather(
             *(t.put(ready, timeout=timeout) for t in self.tiers), return_exceptions=True
         )
-        for tier, res in zip(self.tiers, results, strict=True):
-            if isinstance(res, BaseException):
-                if not isinstance(res, ConnectorError):
-                    raise res  # misuse or a bug, not a backend failure
-                logger.info("%s: write-through to %s failed: %s", self.name, tier.name, res)
+        failures = self._failures("write-through", results)
         counts = [r for r in results if isinstance(r, int)]
         if counts:
             return max(counts)
-        raise _first_error(results)
+        raise failures[0]
 
     async def delete(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
+        """Remove the objects from every tier. Once this returns, no get or promotion that
+        overlapped it brings them back:
+
+        * every get in flight, and every get starting before this returns, gets the ids as
+          tombstones and never promotes them (what it read may predate the delete);
+        * promotions already started that copy any of them are waited for before the tiers
+          delete (not cancelled: a cancelled write to a remote tier may still land after
+          our delete); when they outlast the deadline this raises ConnectorTimeout.
+
+        Raises when any tier failed, even if the others deleted their copies: the failed
+        tier may still hold the objects. Deleting again is safe."""
         self._check_open()
         keys = check_keys(keys)
-        timeout = check_timeout(timeout)
-        await self._stop_promotions()  # a promotion landing later would resurrect the object
-        results = await asyncio.gather(
-            *(t.delete(keys, timeout=timeout) for t in self.tiers), return_exceptions=True
-        )
+        deadline = Deadline.after(timeout)
+        ids = [key.id for key in keys]
+        self._tombstone(ids)
+        try:
+            await self._settle_promotions(frozenset(ids), deadline)
+            remaining = self._remaining(deadline, "delete")
+            results = await asyncio.gather(
+                *(t.delete(keys, timeout=remaining) for t in self.tiers), return_exceptions=True
+            )
+        finally:
+            self._untombstone(ids)
+        failures = self._failures("delete", results)
+        if failures:
+            raise failures[0]
         counts = [r for r in results if isinstance(r, int)]
-        if len(counts) < len(results):
-            raise _first_error(results)
         self._stats.deleted += max(counts)
         return max(counts)
+
+    def _tombstone(self, ids: list[str]) -> None:
+        for sid in ids:
+            self._deleting[sid] = self._deleting.get(sid, 0) + 1
+        for read in self._reads:
+            read.tombstones.update(ids)
+
+    def _untombstone(self, ids: list[str]) -> None:
+        for sid in ids:
+            left = self._deleting[sid] - 1
+            if left:
+                self._deleting[sid] = left
+            else:
+                del self._deleting[sid]
+
+    async def _settle_promotions(self, ids: frozenset[str], deadline: Deadline) -> None:
+        """Wait for the promotions in flight that copy any of ``ids``."""
+        tasks = [t for t, p in self._promotions.items() if not p.ids.isdisjoint(ids)]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=max(deadline.remaining(), 0.0))
+        if pending:
+            self._stats.timeouts += 1
+            raise ConnectorTimeout(
+                f"{self.name} delete: {len(pending)} promotion(s) of these objects still "
+                "running at the deadline"
+            )
+
+    def _remaining(self, deadline: Deadline, op: str) -> float:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            self._stats.timeouts += 1
+            raise ConnectorTimeout(f"{self.name} {op}: the deadline passed")
+        return remaining
+
+    def _failures(self, op: str, results: Sequence[object]) -> list[ConnectorError]:
+        """The tiers' backend failures, logged. Any other exception (misuse, a bug) is
+        raised, ahead of the backend failures, so that none hides it."""
+        failures: list[ConnectorError] = []
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, ConnectorError):
+                raise res
+        for tier, res in zip(self.tiers, results, strict=True):
+            if isinstance(res, ConnectorError):
+                logger.info("%s: %s on %s failed: %s", self.name, op, tier.name, res)
+                failures.append(res)
+        return failures
 
     async def health(self, *, timeout: float) -> Health:
         self._check_open()
         timeout = check_timeout(timeout)
-        results = await asyncio.gather(*(t.health(timeout=timeout) for t in self.tiers))
+        results = await asyncio.gather(
+            *(t.health(timeout=timeout) for t in self.tiers), return_exceptions=True
+        )
+        self._failures("health", results)  # a tier reporting trouble by raising is unhealthy
+        reports = [h if isinstance(h, Health) else _unhealthy(h) for h in results]
         detail = "; ".join(
             f"{t.name}: {'ok' if h.ok else h.detail}"
-            for t, h in zip(self.tiers, results, strict=True)
+            for t, h in zip(self.tiers, reports, strict=True)
         )
-        return Health(all(h.ok for h in results), detail)
+        return Health(all(h.ok for h in reports), detail)
 
     def stats(self) -> ConnectorStats:
         """Tiered hits/misses/lookups plus the tiers' storage-level counters summed."""
@@ -212,8 +406,11 @@ class TieredConnector(Guarded, Connector):
             await tier.aclose()
 
 
-def _first_error(results: Sequence[object]) -> BaseException:
-    for res in results:
-        if isinstance(res, BaseException):
-            return res
-    raise AssertionError("no error among the results")
+def _fits(tier: Connector, block: Block) -> bool:
+    """Whether ``tier`` can hold ``block`` (a promotion it must reject is not attempted)."""
+    limit = tier.capabilities.max_object_bytes
+    return limit is None or block.encoded is None or block.encoded.nbytes <= limit
+
+
+def _unhealthy(exc: BaseException) -> Health:
+    return Health(False, f"{type(exc).__name__}: {exc}")

@@ -12,6 +12,7 @@ from conn_testlib import T, make_items, namespace, same
 from connectors.base import CircuitBreaker, ConnectorTimeout
 from connectors.faults import FaultInjector, FaultPlan, InjectedFault
 from connectors.memory import MemoryConnector
+from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio
 MIB = 1 << 20
@@ -139,3 +140,32 @@ async def test_circuit_breaker_state_machine() -> None:
     assert breaker.acquire()
     breaker.success()
     assert breaker.state == "closed" and breaker.acquire()
+
+
+FAULTS = {
+    "none": FaultPlan(),
+    "drop": FaultPlan(drop_write_rate=1.0),
+    "corrupt": FaultPlan(corrupt_write_rate=1.0),
+    "error": FaultPlan(error_rate=1.0),
+    "late": FaultPlan(latency_rate=1.0, latency=30.0),  # cut by the deadline, or cancelled
+}
+
+
+@pytest.mark.parametrize("ending", ["returns", "is cancelled"])
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+async def test_no_fault_uses_the_callers_payload_after_put_ended(fault: str, ending: str) -> None:
+    # However put ends, a payload the caller changes afterwards never reaches the store as a
+    # valid object: no injected fault works on it in the background, or in place.
+    [(key, block)] = make_items(namespace(), 1)
+    payload = bytearray(block.payload)
+    async with wrap(FAULTS[fault]) as conn:
+        call = asyncio.ensure_future(conn.put([(key, Block(block.meta, payload))], timeout=0.05))
+        if ending == "is cancelled":
+            await asyncio.sleep(0)
+            call.cancel()
+        with contextlib.suppress(InjectedFault, ConnectorTimeout, asyncio.CancelledError):
+            await call
+        payload[:] = bytes(len(payload))
+        await asyncio.sleep(0.1)  # anything left running would have run by now
+        stored = (await conn.inner.get([key], timeout=T))[0]
+        assert stored is None or same(stored, block), "a changed payload was stored as valid"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 
 import pytest
-from conn_testlib import T, make_items, namespace, same
+from conn_testlib import T, chain, make_items, namespace, same
+from test_conn_tiered_delete import Gated
 
 from connectors.base import BackendUnavailable
 from connectors.disk import DiskConnector
 from connectors.faults import FaultInjector, FaultPlan
 from connectors.memory import MemoryConnector
 from connectors.tiered import TieredConnector
+from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio
 MIB = 1 << 20
@@ -110,3 +114,228 @@ async def test_delete_removes_every_copy(tmp_path: os.PathLike[str]) -> None:
 async def test_a_tiered_connector_needs_tiers() -> None:
     with pytest.raises(ValueError, match="at least one tier"):
         TieredConnector([])
+
+
+# --- promotion under load, reads and health over a misbehaving tier ---------------------------
+
+
+def gated_pair(**kw: object) -> tuple[TieredConnector, Gated, Gated]:
+    top, low = Gated("top"), Gated("low")
+    return TieredConnector([top, low], **kw), top, low  # type: ignore[arg-type]
+
+
+async def test_promotions_in_flight_are_capped_and_the_extra_dropped() -> None:
+    items = make_items(namespace(), 5)
+    tiered, top, low = gated_pair(max_promotions=2)
+    async with tiered:
+        await low.inner.put(items, timeout=T)
+        promotions = top.hold("put")
+        for key, _ in items:
+            assert (await tiered.get([key], timeout=T))[0] is not None
+        assert len(tiered._promotions) == 2 and tiered.promotions_dropped == 3
+        promotions.open()
+        await tiered.drain()
+        assert len(top.inner) == 2
+        assert (await tiered.get([items[4][0]], timeout=T))[0] is not None  # promoted later
+        await tiered.drain()
+        assert len(top.inner) == 3
+
+
+async def test_max_promotions_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_promotions"):
+        TieredConnector([MemoryConnector(capacity_bytes=MIB)], max_promotions=0)
+
+
+async def test_an_object_being_promoted_is_not_promoted_again() -> None:
+    items = make_items(namespace(), 1)
+    keys = [k for k, _ in items]
+    tiered, top, low = gated_pair()
+    async with tiered:
+        await low.inner.put(items, timeout=T)
+        promotion = top.hold("put")
+        await asyncio.gather(*(tiered.get(keys, timeout=T) for _ in range(4)))
+        assert len(tiered._promotions) == 1
+        promotion.open()
+        await tiered.drain()
+        assert top.stats().stored == 1 and top.stats().existing == 0
+
+
+async def test_no_promotion_to_a_tier_too_small_for_the_object() -> None:
+    items = make_items(namespace(), 1, nbytes=8192)
+    keys = [k for k, _ in items]
+    small = MemoryConnector(capacity_bytes=4096, name="small")
+    big = MemoryConnector(capacity_bytes=MIB, name="big")
+    async with TieredConnector([small, big]) as tiered:
+        await big.put(items, timeout=T)
+        for _ in range(3):
+            assert (await tiered.get(keys, timeout=T))[0] is not None
+        await tiered.drain()
+        assert small.stats().rejected == 0 and not tiered._promotions
+
+
+async def test_blocks_without_their_verified_bytes_are_not_promoted() -> None:
+    # Promoting them means encoding the payload the caller holds, after get returned: a
+    # payload the caller changed meanwhile would be stored as a valid object.
+    items = make_items(namespace(), 1)
+    keys = [k for k, _ in items]
+    tiered, top, low = gated_pair()
+    async with tiered:
+        await low.inner.put(items, timeout=T)
+        low.bare = True
+        (got,) = await tiered.get(keys, timeout=T)
+        assert isinstance(got, Block) and isinstance(got.payload, bytearray)
+        got.payload[0] ^= 0xFF  # the caller reuses its buffer
+        await tiered.drain()
+        stored = (await top.inner.get(keys, timeout=T))[0]
+        assert stored is None or same(stored, items[0][1]), "the changed payload was stored"
+
+
+async def test_a_cancelled_get_counts_nothing() -> None:
+    items = make_items(namespace(), 2)
+    (a, _), (b, _) = items
+    tiered, top, low = gated_pair()
+    async with tiered:
+        await top.inner.put([items[0]], timeout=T)
+        await low.inner.put([items[1]], timeout=T)
+        stuck = low.hold("get")
+        reading = asyncio.ensure_future(tiered.get([a, b], timeout=T))
+        await stuck.until_reached()  # the top tier has answered its hit
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        stats = tiered.stats()
+        assert sum(tiered.hits_by_tier) == stats.hits == 0 and stats.misses == 0
+
+
+async def test_a_get_out_of_time_before_the_lower_tiers_counts_a_timeout() -> None:
+    items = make_items(namespace(), 1)
+    slow = FaultInjector(
+        MemoryConnector(capacity_bytes=MIB), FaultPlan(latency_rate=1.0, latency=30.0), seed=1
+    )
+    lower = MemoryConnector(capacity_bytes=MIB)
+    async with TieredConnector([slow, lower]) as tiered:
+        await lower.put(items, timeout=T)
+        assert await tiered.get([items[0][0]], timeout=0.05) == [None]
+        tier_timeouts = sum(s.timeouts for s in tiered.tier_stats())
+        assert tiered.stats().timeouts == tier_timeouts + 1
+        assert tiered.stats().misses == 1
+
+
+async def test_a_tier_raising_a_backend_error_on_reads_is_a_miss() -> None:
+    items = make_items(namespace(), 1)
+    keys = [k for k, _ in items]
+    tiered, top, low = gated_pair()
+    async with tiered:
+        await low.inner.put(items, timeout=T)
+        top.fail("get", BackendUnavailable("down"))
+        top.fail("lookup", BackendUnavailable("down"))
+        assert await tiered.lookup(keys, timeout=T) == 1
+        assert same((await tiered.get(keys, timeout=T))[0], items[0][1])
+        assert tiered.stats().errors == 2
+
+
+@pytest.mark.parametrize("op", ["get", "lookup"])
+async def test_a_tier_raising_anything_else_on_reads_propagates(op: str) -> None:
+    items = make_items(namespace(), 1)
+    tiered, top, _ = gated_pair()
+    async with tiered:
+        top.fail(op, TypeError("a bug, not backend trouble"))
+        with pytest.raises(TypeError, match="a bug"):
+            await getattr(tiered, op)([items[0][0]], timeout=T)
+
+
+async def test_delete_raises_misuse_ahead_of_a_backend_failure() -> None:
+    tiered, top, low = gated_pair()
+    async with tiered:
+        top.fail("delete", BackendUnavailable("down"))
+        low.fail("delete", TypeError("a bug"))
+        with pytest.raises(TypeError, match="a bug"):
+            await tiered.delete([make_items(namespace(), 1)[0][0]], timeout=T)
+
+
+async def test_delete_raises_when_a_tier_failed_though_the_others_deleted() -> None:
+    items = make_items(namespace(), 1)
+    keys = [k for k, _ in items]
+    tiered, top, low = gated_pair()
+    async with tiered:
+        await tiered.put(items, timeout=T)
+        top.fail("delete", BackendUnavailable("down"))
+        with pytest.raises(BackendUnavailable):  # the top tier may still hold it
+            await tiered.delete(keys, timeout=T)
+        assert await low.inner.lookup(keys, timeout=T) == 0
+        assert await top.inner.lookup(keys, timeout=T) == 1
+
+
+async def test_health_reads_a_tier_raising_a_backend_error_as_unhealthy() -> None:
+    tiered, top, _ = gated_pair()
+    async with tiered:
+        top.fail("health", BackendUnavailable("down"))
+        health = await tiered.health(timeout=T)
+        assert not health.ok and "top: BackendUnavailable: down" in health.detail
+
+
+async def test_health_propagates_a_bug_only_once_every_tier_answered() -> None:
+    tiered, top, low = gated_pair()
+    async with tiered:
+        top.fail("health", RuntimeError("a bug"))
+        answer = low.hold("health")
+        probing = asyncio.ensure_future(tiered.health(timeout=T))
+        await answer.until_reached()
+        await asyncio.sleep(0.01)
+        answered_early = probing.done()
+        answer.open()
+        with pytest.raises(RuntimeError, match="a bug"):
+            await probing
+        assert not answered_early, "a tier's health call was left running"
+
+
+async def test_a_promotion_failing_with_a_bug_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    items = make_items(namespace(), 1)
+    tiered, top, low = gated_pair()
+    async with tiered:
+        await low.inner.put(items, timeout=T)
+        top.fail("put", RuntimeError("a bug"))
+        with caplog.at_level(logging.ERROR, logger="connectors.tiered"):
+            await tiered.get([items[0][0]], timeout=T)
+            await tiered.drain()
+        assert "promotion to top raised" in caplog.text and "a bug" in caplog.text
+
+
+async def test_a_get_answered_after_aclose_starts_no_promotion() -> None:
+    items = make_items(namespace(), 1)
+    tiered, _, low = gated_pair()
+    await low.inner.put(items, timeout=T)
+    answer = low.hold("get", after=True)
+    reading = asyncio.ensure_future(tiered.get([items[0][0]], timeout=T))
+    await answer.until_reached()
+    closing = asyncio.ensure_future(tiered.aclose())
+    await asyncio.sleep(0)
+    answer.open()
+    await reading
+    promotions = len(tiered._promotions)
+    await closing
+    assert promotions == 0
+
+
+async def test_a_cancelled_put_never_stores_the_changed_buffer_as_valid() -> None:
+    # A tier's write may still land after the cancelled put returned (a request already sent
+    # to Redis): the bytes were checksummed before any tier saw them, so a payload the
+    # caller changed since is caught on load.
+    ns = namespace()
+    key = ns.key(chain(1)[0])
+    payload = bytearray(b"\x07" * 2048)
+    block = Block(key.meta(token_start=0, token_end=16, dtype="uint8", shape=(2, 1024)), payload)
+    original = Block(block.meta, bytes(payload))
+    tiered, top, _ = gated_pair()
+    async with tiered:
+        landing = top.hold("put")
+        putting = asyncio.ensure_future(tiered.put([(key, block)], timeout=T))
+        await landing.until_reached()
+        putting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await putting
+        payload[:] = b"\x09" * 2048
+        landing.open()
+        await asyncio.gather(*top.landing)
+        stored = (await top.inner.get([key], timeout=T))[0]
+        assert stored is None or same(stored, original), "the changed payload was stored"
