@@ -350,14 +350,10 @@ class Connector(abc.ABC):
     def codec(self) -> Codec:
         """How this connector seals and verifies objects (:class:`kvplugin.serde.Codec`).
 
-        A store has its own, from its secret (see :class:`StoreBase`). A connector built on
-        others has theirs, which must agree (:func:`common_codec`): those it keeps in
-        ``tiers`` (a tiered connector) or wraps as ``inner`` (a fault injector)."""
-        parts = getattr(self, "tiers", None)
-        if parts is None:
-            inner = getattr(self, "inner", None)
-            parts = [] if inner is None else [inner]
-        return common_codec(parts)
+        A store has its own, from its secret (see :class:`StoreBase`); a connector built on
+        others (tiered, a fault injector) answers theirs, which must agree
+        (:func:`common_codec`). A third-party connector without a secret keeps this default."""
+        return PLAIN
 
     @abc.abstractmethod
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
@@ -577,8 +573,14 @@ class StoreBase(Guarded, Connector):
         return item
 
     async def _drop_corrupt(self, ids: list[str], deadline: Deadline) -> None:
-        """Delete objects that failed verification, within what is left of the deadline."""
-        budget = max(deadline.remaining(), 0.05)  # a failed delete is retried on the next load
+        """Delete objects that failed verification, within what is left of the deadline.
+
+        With no time left the delete is skipped rather than overrunning the caller's
+        deadline: the object is never returned, and the next load that meets it drops it."""
+        budget = deadline.remaining()
+        if budget <= 0:
+            logger.info("%s: no time left to delete %d corrupt object(s)", self.name, len(ids))
+            return
         try:
             async with asyncio.timeout(budget):
                 await self._remove(ids)

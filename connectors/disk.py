@@ -66,7 +66,9 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiofiles.os
 
 from connectors import diskio
 from connectors.base import (
@@ -91,7 +93,7 @@ from kvplugin import serde
 from kvplugin.serde import Block, EncodedBlock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from typing_extensions import Buffer
 
@@ -312,8 +314,8 @@ class DiskConnector(StoreBase):
         wanted = [i for i, sid in enumerate(ids) if sid in index]
         for i in wanted:
             index.move_to_end(ids[i])
-        loop, ex, cap = asyncio.get_running_loop(), self._executor, self.capacity_bytes
-        jobs = [loop.run_in_executor(ex, root.run, read, _rel(ids[i]), cap) for i in wanted]
+        ex, cap = self._executor, self.capacity_bytes
+        jobs = [_in_thread(root.run, read, _rel(ids[i]), cap, executor=ex) for i in wanted]
         if len(jobs) == 1:  # the common case, without a task per file
             try:
                 results: list[object] = [await jobs[0]]
@@ -469,10 +471,9 @@ class DiskConnector(StoreBase):
         root = self._root
         if root is None:
             raise BackendUnavailable(f"{self.name} is closed")
-        loop = asyncio.get_running_loop()
         try:
-            problem = await loop.run_in_executor(
-                self._executor, root.run, diskio.root_problem, self.root
+            problem = await _in_thread(
+                root.run, diskio.root_problem, self.root, executor=self._executor
             )
         except OSError as exc:
             raise _os_error(exc, f"checking {self.root}") from exc
@@ -501,11 +502,22 @@ class DiskConnector(StoreBase):
         if root is None:
             raise BackendUnavailable(f"{self.name} is closed")
         rels = [_rel(s) for s in ids]
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, root.run, diskio.remove_objects, rels)
+            removed: int = await _in_thread(
+                root.run, diskio.remove_objects, rels, executor=self._executor
+            )
+            return removed
         except OSError as exc:
             raise _os_error(exc, "deleting objects") from exc
+
+
+def _apply(func: Callable[..., T], *args: object) -> T:
+    return func(*args)
+
+
+# Reads, deletes and health checks: one job each on the connector's I/O threads, through
+# aiofiles' executor wrapper (stores submit to the executor directly, see _store_one).
+_in_thread: Callable[..., Awaitable[Any]] = aiofiles.os.wrap(_apply)
 
 
 def _call_on(loop: asyncio.AbstractEventLoop, callback: Callable[[T], object], job: T) -> None:

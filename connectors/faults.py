@@ -45,7 +45,7 @@ from connectors.base import (
     encode_once,
 )
 from connectors.keys import ObjectKey
-from kvplugin.serde import Block, EncodedBlock
+from kvplugin.serde import Block, Codec, EncodedBlock
 
 __all__ = ["FaultCounters", "FaultInjector", "FaultPlan", "InjectedFault", "LocalRedisServer"]
 
@@ -101,6 +101,10 @@ class FaultInjector(Guarded, Connector):
         self._rng = random.Random(seed)
         self._stats = ConnectorStats()
         self._closed = False
+
+    @property
+    def codec(self) -> Codec:
+        return self.inner.codec
 
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()

@@ -44,10 +44,11 @@ from connectors.base import (
     check_items,
     check_keys,
     check_timeout,
+    common_codec,
     encode_once,
 )
 from connectors.keys import ObjectKey
-from kvplugin.serde import Block
+from kvplugin.serde import Block, Codec
 
 __all__ = ["TieredConnector"]
 
@@ -95,6 +96,9 @@ class TieredConnector(Guarded, Connector):
             raise ValueError(f"max_promotions must be a positive int, got {max_promotions!r}")
         self.tiers = list(tiers)
         self.name = name
+        # Refused here, not at the first put: tiers that seal with different secrets could
+        # never promote or write through the same bytes.
+        self._codec = common_codec(self.tiers)
         self.promote = promote
         self.promote_timeout = check_timeout(promote_timeout)
         self.max_promotions = max_promotions
@@ -114,6 +118,10 @@ class TieredConnector(Guarded, Connector):
         self._promoting: dict[str, _Promotion] = {}
         self._reads: set[_Read] = set()
         self._deleting: dict[str, int] = {}  # key id -> deletes of it in progress
+
+    @property
+    def codec(self) -> Codec:
+        return self._codec
 
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()
@@ -265,7 +273,7 @@ class TieredConnector(Guarded, Connector):
         self._check_open()
         timeout = check_timeout(timeout)
         # Encode once for all tiers; each tier stores the same bytes (and counts its errors).
-        codec = self.codec  # the tiers' common codec (a ValueError if their secrets differ)
+        codec = self._codec
         ready = [
             (k, Block(b.meta, b.payload, encode_once(b, codec))) for k, b in check_items(items)
         ]

@@ -26,7 +26,7 @@ from connectors.redis import RedisConnector
 from kvplugin import serde
 
 DEADLINE = 0.3
-SLACK = 0.3  # a get may spend up to 0.05 s past its deadline deleting corrupt objects
+SLACK = 0.3  # scheduling noise on a loaded 2-core CI machine, not time the connector may take
 ITEMS = make_items(namespace("fuzz-fixed"), 2, nbytes=256)
 KEYS = [k for k, _ in ITEMS]
 OBJECTS = [serde.encode(b.meta, b.payload).join() for _, b in ITEMS]
