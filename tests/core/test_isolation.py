@@ -20,9 +20,10 @@ CORE_DIR = REPO_ROOT / "kvplugin" / "core"
 CONNECTORS_DIR = REPO_ROOT / "connectors"
 
 # Roots of modules the core must never load (async runtime, sockets/TLS, file/network
-# I/O libraries, array libraries, the connector layer).
+# I/O libraries, array libraries, the connector layer, the async layer above it).
 FORBIDDEN = ("asyncio", "socket", "_socket", "ssl", "_ssl", "selectors", "aiofiles", "redis",
-             "pyarrow", "numpy", "connectors", "uvloop", "http", "urllib.request")
+             "pyarrow", "numpy", "connectors", "uvloop", "http", "urllib.request",
+             "kvplugin.aio")
 
 PROBE = """
 import importlib, json, sys

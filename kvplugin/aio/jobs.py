@@ -1,0 +1,268 @@
+"""Connector I/O with deadlines: tier-attributed lookups, load jobs, store jobs, the I/O gate.
+
+A job is a task that does its I/O and then hands the result to a synchronous callback of the
+manager (``apply``), with no await in between, so what the result decides is booked in the
+same loop iteration it arrived in. Every job ends exactly once (done, failed or cancelled)
+and its ``release`` callback runs in ``finally`` whatever happened, cancellation included:
+that is where budgets, pins and deferred frees are given back.
+
+Loads go before stores: a request waiting for its KV is latency, a store is best effort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.base import Connector, ConnectorError, Deadline, PutItem
+from connectors.keys import ObjectKey
+from kvplugin.aio.plans import ChunkLoad, StateLoad
+from kvplugin.serde import Block
+
+__all__ = [
+    "IOGate",
+    "JobEnd",
+    "LoadJob",
+    "Priority",
+    "StoreJob",
+    "lookup_levels",
+    "run_load",
+    "run_store",
+    "start",
+    "tier_names",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class Priority(enum.IntEnum):
+    LOAD = 0
+    STORE = 1
+
+
+class JobEnd(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class IOGate:
+    """At most ``limit`` connector operations at once; waiters are served loads first,
+    FIFO within a priority. A slot is handed from the releaser straight to the next waiter,
+    so a waiter cancelled after being granted passes the slot on instead of leaking it."""
+
+    def __init__(self, limit: int) -> None:
+        if type(limit) is not int or limit < 1:
+            raise ValueError(f"the I/O limit must be a positive int, got {limit!r}")
+        self.limit = limit
+        self._free = limit
+        self._waiters: tuple[deque[asyncio.Future[None]], ...] = tuple(
+            deque() for _ in Priority)
+
+    @property
+    def in_use(self) -> int:
+        return self.limit - self._free
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiters)
+
+    @asynccontextmanager
+    async def slot(self, priority: Priority) -> AsyncIterator[None]:
+        await self._acquire(priority)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, priority: Priority) -> None:
+        if self._free > 0 and not self.waiting:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiters[priority]
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release()  # granted, then cancelled before running: pass it on
+            else:
+                queue.remove(fut)
+            raise
+
+    def _release(self) -> None:
+        for queue in self._waiters:
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+        self._free += 1
+
+
+# --------------------------------------------------------------------------- lookups
+
+
+def tier_names(connector: Connector) -> tuple[str, ...]:
+    """The tier of each level: a tiered connector's tiers top-down, else the connector."""
+    tiers = _tiers(connector)
+    return tuple(t.capabilities.tier for t in tiers) if tiers else (
+        connector.capabilities.tier,)
+
+
+def _tiers(connector: Connector) -> list[Connector] | None:
+    # The convention Connector.codec relies on too: a composite keeps its parts in `tiers`.
+    tiers = getattr(connector, "tiers", None)
+    if isinstance(tiers, list) and tiers and all(isinstance(t, Connector) for t in tiers):
+        return tiers
+    return None
+
+
+async def lookup_levels(connector: Connector, keys: Sequence[ObjectKey],
+                        deadline: Deadline) -> list[int]:
+    """The level (index in :func:`tier_names`) of each key present from the first.
+
+    A tiered connector is walked top-down at each position, the first tier that extends the
+    prefix claiming its run: that is the tier its ``get`` reads those objects from. The
+    prefix is the union of the tiers, as the tiered connector's own lookup counts it.
+    """
+    tiers = _tiers(connector)
+    if not keys:
+        return []
+    if tiers is None:
+        return [0] * await connector.lookup(keys, timeout=_left(deadline))
+    levels: list[int] = []
+    while len(levels) < len(keys):
+        for level, tier in enumerate(tiers):
+            found = await tier.lookup(keys[len(levels):], timeout=_left(deadline))
+            if found:
+                levels.extend([level] * found)
+                break
+        else:
+            break
+    return levels
+
+
+def _left(deadline: Deadline) -> float:
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        raise TimeoutError
+    return remaining
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass(eq=False, slots=True)
+class LoadJob:
+    """Fetch ``keys`` (one per planned chunk, then one per planned state) into the
+    request's blocks ``dst``."""
+
+    request_id: str
+    start: int  # tokens [start, end) claimed from the tiers
+    end: int
+    plan: tuple[ChunkLoad, ...]
+    keys: list[ObjectKey]
+    dst: list[list[int]]  # per planned chunk (then state): the block ids it lands in
+    owner: Any = field(default=None, repr=False)  # the manager's per-request state
+    states: tuple[StateLoad, ...] = ()  # Mamba states at ``end``, after the chunks
+    abandoned: bool = False  # the request went away: apply nothing, only release
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    ended: JobEnd | None = None
+
+
+@dataclass(eq=False, slots=True)
+class StoreJob:
+    """Write ``items`` (bytes already copied out, or views of held blocks)."""
+
+    request_id: str
+    items: list[PutItem]  # attention chunks first, then the states that need them
+    nbytes: int
+    key_ids: frozenset[str]
+    owner: Any = field(default=None, repr=False)
+    states: int = 0  # how many of the items (the last ones) are Mamba states
+    partial_tails: int = 0
+    first_token: int = 1 << 62  # start of the earliest chunk: a failure leaves a hole here
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    ended: JobEnd | None = None
+
+
+def start(job: LoadJob | StoreJob, coro: Coroutine[Any, Any, None], name: str,
+          release: Callable[[Any], None]) -> asyncio.Task[None]:
+    """Run a job's coroutine as a task. A task cancelled before its first step never
+    enters the coroutine, so its ``finally`` never runs: the done callback releases it then.
+    """
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    job.task = task
+
+    def done(t: asyncio.Task[None]) -> None:
+        if job.ended is None:
+            job.ended = JobEnd.CANCELLED
+            release(job)
+        elif not t.cancelled() and t.exception() is not None:
+            logger.error("offload job %s crashed", name, exc_info=t.exception())
+
+    task.add_done_callback(done)
+    return task
+
+
+async def run_load(job: LoadJob, connector: Connector, gate: IOGate, timeout: float,
+                   apply: Callable[[LoadJob, list[Block | None]], None],
+                   release: Callable[[LoadJob], None]) -> None:
+    """Fetch under one deadline (queueing for the gate included); a slow tier is a miss.
+    ``apply`` gets one block or ``None`` per key; ``release`` always runs last."""
+    try:
+        try:
+            async with asyncio.timeout(timeout):
+                deadline = Deadline.after(timeout)
+                async with gate.slot(Priority.LOAD):
+                    blocks = await connector.get(job.keys, timeout=_left(deadline))
+        except TimeoutError:
+            logger.info("load for %s: no answer within %.3fs", job.request_id, timeout)
+            blocks = [None] * len(job.keys)
+        except Exception:
+            # Not backend trouble (reads answer misses for that): a bug or a closed
+            # connector. Nobody awaits this task to see it, so log it and load nothing.
+            logger.exception("load for %s raised", job.request_id)
+            blocks = [None] * len(job.keys)
+        apply(job, blocks)
+        job.ended = JobEnd.DONE if all(b is not None for b in blocks) else JobEnd.FAILED
+    except asyncio.CancelledError:
+        job.ended = JobEnd.CANCELLED
+        raise
+    finally:
+        if job.ended is None:  # apply itself raised
+            job.ended = JobEnd.FAILED
+        release(job)
+
+
+async def run_store(job: StoreJob, connector: Connector, gate: IOGate, timeout: float,
+                    release: Callable[[StoreJob], None]) -> None:
+    """Write under one deadline; a failure is logged and counted (by ``release``, which
+    reads ``job.ended``), never raised: nobody waits for a store."""
+    try:
+        async with asyncio.timeout(timeout):
+            deadline = Deadline.after(timeout)
+            async with gate.slot(Priority.STORE):
+                await connector.put(job.items, timeout=_left(deadline))
+        job.ended = JobEnd.DONE
+    except asyncio.CancelledError:
+        job.ended = JobEnd.CANCELLED
+        raise
+    except (ConnectorError, TimeoutError) as exc:
+        logger.info("store for %s failed: %r", job.request_id, exc)
+        job.ended = JobEnd.FAILED
+    except Exception:
+        logger.exception("store for %s raised", job.request_id)
+        job.ended = JobEnd.FAILED
+    finally:
+        if job.ended is None:
+            job.ended = JobEnd.FAILED
+        release(job)

@@ -1,0 +1,126 @@
+"""From the core's chained block hashes to the tiers' object keys.
+
+One stored object ("chunk") holds ``chunk_blocks`` consecutive full blocks of one KV-cache
+group and is keyed by the chained hash of its last block, in the namespace of the request's
+tenant, the model, the group's layout fingerprint and the group index. The chain makes that
+hash depend on every earlier token (and on the cache salt and LoRA, which enter the hash),
+so one key names the whole prefix up to the chunk's end; the hashes are vLLM's own, so
+engines sharing a tier and a hash seed share objects.
+
+A Mamba group stores no chunks: its state at a token boundary is one object (kind
+``"mamba_state"``) keyed by the chain hash *at the boundary* (vLLM's ``hash_idx = boundary //
+tokens_per_hash - 1``), so the states of two requests sharing a prefix share a key whether
+the state was a retained block, a copy-on-write copy or a finish-time partial tail.
+
+Default ``chunk_blocks = 1``: a real model's page is hundreds of KiB to MiBs, so the
+per-object overhead (one key, a ~0.5 KiB envelope, one round trip per batch anyway) is noise,
+while one block per object keeps hits at the core's block granularity (a chunk is all or
+nothing) and a stored page is one contiguous row, so a store can hand out a zero-copy view.
+Raise it for tiny pages, where per-object overhead dominates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from connectors.keys import Namespace, ObjectKey, layout_fingerprint
+from kvplugin.aio.memory import GroupShape, StateShape
+
+__all__ = ["GroupKeying", "KeySpace"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKeying:
+    """How one group's blocks become chunks."""
+
+    group: int
+    block_size: int  # tokens per block of this group
+    chunk_blocks: int  # blocks per stored object
+    hash_stride: int  # hash-list entries per block (group block size / hash block size)
+    layout: str  # the layout fingerprint (32 hex)
+    kind: str = "full"  # "full" | "window" | "state" (see kvplugin.aio.plans)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size * self.chunk_blocks
+
+    def hash_index(self, chunk: int) -> int:
+        """Index in ``request.block_hashes`` of the hash of the chunk's last block."""
+        return (chunk + 1) * self.chunk_blocks * self.hash_stride - 1
+
+    def num_chunks(self, num_hashes: int) -> int:
+        """Full chunks a request with ``num_hashes`` block hashes can name."""
+        return num_hashes // (self.chunk_blocks * self.hash_stride)
+
+
+class KeySpace:
+    """The keys of one model deployment: per group keying, per tenant namespaces."""
+
+    def __init__(self, model: str, shapes: Sequence[GroupShape], hash_block_size: int,
+                 chunk_blocks: int = 1) -> None:
+        if type(chunk_blocks) is not int or chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be a positive int, got {chunk_blocks!r}")
+        groups = []
+        for gid, shape in enumerate(shapes):
+            if shape.block_size % hash_block_size:
+                raise ValueError(f"group {gid}: block size {shape.block_size} is not a multiple "
+                                 f"of the hash block size {hash_block_size}")
+            groups.append(GroupKeying(gid, shape.block_size, chunk_blocks,
+                                      shape.block_size // hash_block_size,
+                                      _fingerprint(shape, chunk_blocks), shape.kind))
+        self.model = model
+        self.hash_block_size = hash_block_size
+        self.groups = tuple(groups)
+        self._namespaces: dict[str, tuple[Namespace, ...]] = {}
+        Namespace("probe", model, groups[0].layout)  # a bad model name fails here, not later
+
+    @property
+    def alignment(self) -> int:
+        """Tokens every attention group's chunks end together at."""
+        return math.lcm(*(g.chunk_tokens for g in self.groups if g.kind != "state"))
+
+    def namespaces(self, tenant: str) -> tuple[Namespace, ...]:
+        """The tenant's namespace per group (cached; a bad tenant name raises here)."""
+        ns = self._namespaces.get(tenant)
+        if ns is None:
+            ns = tuple(Namespace(tenant, self.model, g.layout, g.group) for g in self.groups)
+            self._namespaces[tenant] = ns
+        return ns
+
+    def chunk_keys(self, tenant: str, group: int, block_hashes: Sequence[bytes],
+                   first: int, stop: int) -> list[ObjectKey]:
+        """Keys of chunks ``[first, stop)`` of ``group`` for a request's hash list."""
+        g = self.groups[group]
+        if g.kind == "state":
+            raise ValueError(f"group {group} stores states, not chunks")
+        if stop > g.num_chunks(len(block_hashes)):
+            raise ValueError(f"chunk {stop - 1} of group {group} is not complete yet")
+        ns = self.namespaces(tenant)[group]
+        return [ns.key(block_hashes[g.hash_index(c)]) for c in range(first, stop)]
+
+    def state_key(self, tenant: str, group: int, block_hashes: Sequence[bytes],
+                  boundary: int) -> ObjectKey:
+        """The key of ``group``'s state at ``boundary`` tokens of a request's hash list."""
+        if self.groups[group].kind != "state":
+            raise ValueError(f"group {group} stores chunks, not states")
+        n = boundary // self.hash_block_size
+        if boundary <= 0 or boundary % self.hash_block_size or n > len(block_hashes):
+            raise ValueError(f"no block hash ends at token {boundary}")
+        return self.namespaces(tenant)[group].key(block_hashes[n - 1], "mamba_state")
+
+
+def _fingerprint(shape: GroupShape, chunk_blocks: int) -> str:
+    """What makes a group's stored bytes (in)compatible. Full attention keeps slice 1's
+    fields exactly, so objects stored before hybrid support still match."""
+    if isinstance(shape, StateShape):
+        return layout_fingerprint(kind="mamba_state", dims=shape.dims,
+                                  page_bytes=shape.page_bytes, block_size=shape.block_size,
+                                  tensors=shape.shapes, dtypes=shape.dtypes)
+    if shape.kind == "window":
+        return layout_fingerprint(kind="sliding_window", dtype=shape.dtype, dims=shape.dims,
+                                  page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks,
+                                  window_tokens=shape.window_tokens)
+    return layout_fingerprint(kind="full_attention", dtype=shape.dtype, dims=shape.dims,
+                              page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks)

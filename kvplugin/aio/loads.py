@@ -1,0 +1,189 @@
+"""The load side of the async manager: fetch a claim's chunks and states, verify them,
+copy them into the request's blocks, publish them, and put the request back in line.
+
+A load is all or nothing per layout rule (:func:`kvplugin.aio.plans.resume_point`): a
+full-attention layout keeps its verified prefix, any other layout starts over, because the
+core sized the window blocks and the state slot for the claimed boundary only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from connectors.base import Connector
+from connectors.keys import ObjectKey
+from kvplugin.aio import plans
+from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, StoreJob, run_load
+from kvplugin.aio.jobs import start as start_job
+from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.memory import HostKVMemory
+from kvplugin.aio.plans import Claim
+from kvplugin.aio.reqstate import ReqState
+from kvplugin.aio.stores import Holds
+from kvplugin.aio.values import (
+    LoadFailurePolicy,
+    LoadOutcome,
+    LoadStatus,
+    OffloadConfig,
+    OffloadStats,
+)
+from kvplugin.core.manager import KVCacheManager
+from kvplugin.core.request import RequestStatus
+from kvplugin.serde import Block
+
+__all__ = ["Loads"]
+
+
+class Loads:
+    """Load jobs of one manager; a request's job is ``ReqState.load``."""
+
+    def __init__(self, *, core: KVCacheManager, connector: Connector, config: OffloadConfig,
+                 memory: HostKVMemory, layout: plans.Layout, keyspace: KeySpace,
+                 gate: IOGate, stats: OffloadStats, jobs: set[LoadJob | StoreJob],
+                 holds: Holds) -> None:
+        self._core = core
+        self._connector = connector
+        self._config = config
+        self._memory = memory
+        self._layout = layout
+        self._keyspace = keyspace
+        self._gate = gate
+        self._stats = stats
+        self._jobs = jobs
+        self._holds = holds
+
+    def start(self, st: ReqState, claim: Claim) -> None:
+        req = st.req
+        start, end = claim.local, claim.local + claim.external
+        plan = plans.load_plan(self._layout, start, end) if claim.external else ()
+        states = plans.state_plan(self._layout, claim.state_at)
+        table = self._core.get_block_ids(req.request_id)
+        keys = [st.chunk_keys(self._keyspace, c.group, c.chunk, c.chunk + 1)[0] for c in plan]
+        keys += [self._keyspace.state_key(st.tenant, s.group, req.block_hashes, s.boundary)
+                 for s in states]
+        dst = [table[c.group][c.first_block:c.first_block + c.num_blocks] for c in plan]
+        dst += [[table[s.group][s.slot]] for s in states]
+        if any(0 in ids for ids in dst):
+            raise AssertionError(f"the core left a null block where {req.request_id}'s "
+                                 "load lands: the load plan disagrees with the allocation")
+        job = LoadJob(req.request_id, start, end, plan, keys, dst, owner=st, states=states)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        st.load = job
+        st.loaded = asyncio.Event()
+        self._stats.loads += 1
+        coro = run_load(job, self._connector, self._gate, self._config.load_timeout,
+                        self._apply, self._end)
+        start_job(job, coro, f"kv-load-{req.request_id}", self._end)
+        self._jobs.add(job)
+
+    def _apply(self, job: LoadJob, blocks: list[Block | None]) -> None:
+        """The load's bytes arrived: copy in what is usable, publish it, un-park the
+        request. Runs on the loop right after the fetch, never after an abandon."""
+        if job.abandoned:
+            return
+        st: ReqState = job.owner
+        k = len(job.plan)
+        ok = [self._chunk_ok(c, key, b) for c, key, b in zip(job.plan, job.keys[:k],
+                                                              blocks[:k], strict=True)]
+        states_ok = [self._state_ok(s, key, b) for s, key, b in zip(
+            job.states, job.keys[k:], blocks[k:], strict=True)]
+        good = plans.resume_point(self._layout, job.plan, ok, states_ok, job.start, job.end)
+        self._copy_in(job, blocks, good)
+        if good < job.end:
+            self._stats.loads_failed += 1
+            self._stats.recomputed_tokens += job.end - good
+            for g in self._layout.chunked_groups:
+                st.next_chunk[g] = min(st.next_chunk[g], good // self._layout.chunk_tokens(g))
+        if good == job.end:
+            status = LoadStatus.LOADED
+        elif self._config.load_failure_policy is LoadFailurePolicy.FAIL:
+            status = LoadStatus.FAILED
+        else:
+            status = LoadStatus.PARTIAL
+        self._settle_load(st, job, status, good)
+
+    def _settle_load(self, st: ReqState, job: LoadJob, status: LoadStatus, good: int) -> None:
+        """Book a load's end on the request, as vLLM's ``_update_waiting_for_remote_kv``."""
+        req = st.req
+        req.num_computed_tokens = good
+        if status is LoadStatus.FAILED:
+            req.status = RequestStatus.FINISHED_ERROR  # the engine calls finish()
+        else:
+            if good:
+                self._core.cache_blocks(req, good)  # bytes in place and verified
+            else:
+                self._core.free(req)  # a retry may hit locally
+                st.admitted = False
+            if status is not LoadStatus.LOADED:
+                st.skip_external = True
+            req.status = (RequestStatus.PREEMPTED if req.num_preemptions
+                          else RequestStatus.WAITING)
+        state = job.states[0].boundary if job.states and status is LoadStatus.LOADED else None
+        st.outcome = LoadOutcome(req.request_id, status, job.end - job.start,
+                                 max(0, good - job.start), good, state)
+        st.loaded.set()
+
+    def _chunk_ok(self, load: plans.ChunkLoad, key: ObjectKey, block: Block | None) -> bool:
+        if block is None:
+            return False
+        shape = self._memory.shapes[load.group]
+        ct = self._layout.chunk_tokens(load.group)
+        meta = block.meta
+        # The connector verified checksums and the namespace; this checks it is the chunk
+        # this layout expects (a writer with another page shape must not slip through).
+        return (key.matches(meta) and meta.dtype == shape.dtype
+                and meta.shape == (self._layout.chunk_blocks, *shape.dims)
+                and meta.token_start == load.chunk * ct and meta.token_end == (load.chunk + 1) * ct
+                and memoryview(block.payload).nbytes == meta.nbytes)
+
+    def _state_ok(self, load: plans.StateLoad, key: ObjectKey, block: Block | None) -> bool:
+        if block is None:
+            return False
+        shape = self._memory.shapes[load.group]
+        meta = block.meta
+        return (key.matches(meta) and meta.dtype == shape.dtype
+                and meta.shape == (1, *shape.dims) and meta.boundary == load.boundary
+                and meta.token_end == load.boundary
+                and memoryview(block.payload).nbytes == meta.nbytes == shape.page_bytes)
+
+    def _copy_in(self, job: LoadJob, blocks: list[Block | None], good: int) -> None:
+        s = self._stats
+        k = len(job.plan)
+        for load, dst, block in zip(job.plan, job.dst[:k], blocks[:k], strict=True):
+            bs = self._layout.block_sizes[load.group]
+            n = min(load.num_blocks, good // bs - load.first_block)
+            if n <= 0 or block is None:
+                continue
+            width = self._memory.page_bytes(load.group)
+            raw = memoryview(block.payload).cast("B")
+            self._memory.copy_in(load.group, dst[:n],
+                                raw[load.skip * width:(load.skip + n) * width])
+            s.loaded_chunks += 1
+            s.loaded_bytes += n * width
+        if good != job.end:
+            return  # a state is valid at the claimed boundary only
+        for state, dst, block in zip(job.states, job.dst[k:], blocks[k:], strict=True):
+            assert block is not None  # verified above
+            self._memory.copy_in(state.group, dst, block.payload)
+            s.loaded_states += 1
+            s.loaded_bytes += self._memory.page_bytes(state.group)
+
+    def _end(self, job: LoadJob) -> None:
+        """Always runs last: a load that ended without a result (cancelled, or a bug) puts
+        the request back to the start; an abandoned one lets its blocks go."""
+        self._jobs.discard(job)
+        st: ReqState = job.owner
+        if st.load is job:
+            st.load = None
+        if job.ended is JobEnd.CANCELLED:
+            self._stats.loads_cancelled += 1
+        if not job.abandoned and st.outcome is None:
+            # Cancelled (or crashed) before its bytes were applied: nothing is verified.
+            if job.ended is JobEnd.CANCELLED:
+                status = LoadStatus.CANCELLED
+            elif self._config.load_failure_policy is LoadFailurePolicy.FAIL:
+                status = LoadStatus.FAILED
+            else:
+                status = LoadStatus.PARTIAL
+            self._settle_load(st, job, status, 0)
+        self._holds.job_ended(job)

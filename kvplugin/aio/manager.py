@@ -1,0 +1,529 @@
+"""``AsyncKVManager``: the engine-facing KV-cache manager with connector offload.
+
+It owns one core :class:`~kvplugin.core.manager.KVCacheManager`, the host KV memory, the
+connector, the tenants' key namespaces and every in-flight job, all on one event loop: the
+core is called synchronously, and no ``await`` ever separates a decision from the
+bookkeeping that depends on it (``allocate`` and ``after_step`` are plain methods; a job's
+result is applied in the loop iteration it arrives in).
+
+Per request, following vLLM's scheduler protocol::
+
+    req = mgr.new_request(rid, tokens, tenant="acme")
+    found = await mgr.lookup(req)                       # local + external hit, bounded
+    adm = mgr.allocate(req, n, found)                   # None: no room, nothing taken
+    if adm.loading: outcome = await mgr.wait_load(req)  # WAITING_FOR_REMOTE_KVS meanwhile
+    ... model step writes KV into mgr.memory, engine sets req.num_computed_tokens ...
+    mgr.after_step([req])                               # offer newly computed chunks
+    mgr.finish(req)                                     # True: freeing waits for stores
+
+Tenants: the device cache separates them through the request's cache salt (built from the
+tenant, so it enters the first block's hash as vLLM's ``cache_salt`` does); the tiers through
+the key namespace.
+
+Layouts: full attention, sliding window and Mamba "align" groups in any mix with at least one
+attention group. A hit is claimed only at a boundary every group can be restored at
+(:func:`kvplugin.aio.plans.reconcile`), including a deeper local attention hit whose Mamba
+state lags: only that state is loaded. The manager owns the core's per-step queues: it runs
+the copy-on-write copies in host memory right after each allocation, and ``after_step``
+drains the boundary-state offers (stored as checkpoints, see :mod:`kvplugin.aio.stores`),
+the zeroing list, and starts the core's next step (the Mamba same-step guard). So
+``after_step`` must follow every model step, before the next step's allocations, and the
+engine must not drain those queues itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from connectors.base import Connector, Deadline
+from kvplugin.aio import plans
+from kvplugin.aio.jobs import (
+    IOGate,
+    LoadJob,
+    StoreJob,
+    lookup_levels,
+    tier_names,
+)
+from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.loads import Loads
+from kvplugin.aio.memory import GroupShape, HostKVMemory, shape_of_group
+from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
+from kvplugin.aio.reqstate import ReqState
+from kvplugin.aio.stores import Holds, Stores
+from kvplugin.aio.values import (
+    Admission,
+    LoadOutcome,
+    Lookup,
+    OffloadConfig,
+    OffloadStats,
+    StoreMode,
+)
+from kvplugin.core.hashing import BlockHasher, HashContext
+from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
+from kvplugin.core.request import LoRAInfo, Request, RequestStatus
+
+__all__ = ["AsyncKVManager", "device_salt"]
+
+logger = logging.getLogger(__name__)
+
+
+def device_salt(tenant: str, cache_salt: str | None = None) -> str:
+    """The core cache salt of a tenant's request: tenant names never contain ``;``
+    (:class:`~connectors.keys.Namespace` checks), so no two (tenant, salt) pairs collide."""
+    return f"tenant={tenant}" if cache_salt is None else f"tenant={tenant};salt={cache_salt}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What the engine grants one allocation (see ``AsyncKVManager.allocate``)."""
+
+    max_tokens: int | None
+    lookahead: int
+    reserved: int
+    has_scheduled: bool
+
+    def tokens(self, remaining: int) -> int:
+        if remaining < 1:
+            raise ValueError("the request has no token left to compute")
+        return remaining if self.max_tokens is None else min(self.max_tokens, remaining)
+
+
+@dataclass(frozen=True, slots=True)
+class _Local:
+    """The device's hit: the reconciled blocks, the per-group (diverged) ones, the token
+    counts, and the reconciled lookup's shared-prefix boundary."""
+
+    blocks: KVCacheBlocks
+    deep_blocks: KVCacheBlocks
+    hit: LocalHit
+    boundary: int
+
+
+STATE_PROBES = 8  # state keys asked at once, deepest first, until one is found
+
+
+def _layout(core: KVCacheManager, shapes: Sequence[GroupShape], chunk_blocks: int
+            ) -> plans.Layout:
+    # A state boundary must be one the core can hit: the hash unit when sub-block
+    # (partial) hits are on, else the scheduler block.
+    hbs = core.block_pool.hash_block_size
+    unit = hbs if core.enable_partial_hash_hits else core.coordinator.scheduler_block_size
+    has_state = any(s.kind == "state" for s in shapes)
+    return plans.Layout(tuple(s.block_size for s in shapes), chunk_blocks,
+                        tuple(s.kind for s in shapes), tuple(s.window_tokens for s in shapes),
+                        unit if has_state else 0)
+
+
+class AsyncKVManager:
+    def __init__(self, core: KVCacheManager, connector: Connector, config: OffloadConfig, *,
+                 memory: HostKVMemory | None = None,
+                 hash_context: HashContext | None = None) -> None:
+        if not core.enable_caching:
+            raise ValueError("offload needs prefix caching enabled in the core")
+        kv_config = core.kv_cache_config
+        shapes = [shape_of_group(g) for g in kv_config.kv_cache_groups]
+        if memory is None:
+            memory = HostKVMemory(kv_config.num_blocks, shapes)
+        elif memory.num_blocks != kv_config.num_blocks or list(memory.shapes) != shapes:
+            raise ValueError("host memory does not match the core's blocks and groups")
+        hbs = core.block_pool.hash_block_size
+        has_state = any(s.kind == "state" for s in shapes)
+        if has_state and core.use_eagle:
+            raise ValueError("EAGLE block drop is not supported with Mamba offload")
+        self.core = core
+        self.connector = connector
+        self.config = config
+        self.memory = memory
+        self.keyspace = KeySpace(config.model, shapes, hbs, config.chunk_blocks)
+        self.layout = _layout(core, shapes, config.chunk_blocks)
+        self.hasher = BlockHasher(hash_context or HashContext.create("sha256_cbor"), hbs)
+        self.tiers = tier_names(connector)
+        self._hash_block_size = hbs
+        # Per-group hits (a lagging Mamba state) are only reconciled for Mamba + full
+        # attention layouts, as the core's get_computed_blocks_for_connector.
+        self._divergent = has_state and "window" not in self.layout.kinds
+        chunk_bytes = max(s.page_bytes for s in shapes) * config.chunk_blocks
+        if config.store_budget_bytes < chunk_bytes:
+            raise ValueError(f"store_budget_bytes {config.store_budget_bytes} is below one "
+                             f"chunk ({chunk_bytes} bytes): every store would be shed")
+        self._gate = IOGate(config.max_io)
+        self._requests: dict[str, ReqState] = {}
+        self._jobs: set[LoadJob | StoreJob] = set()
+        self._stats = OffloadStats()
+        self._holds = Holds(core)
+        self._loads = Loads(core=core, connector=connector, config=config, memory=memory,
+                            layout=self.layout, keyspace=self.keyspace, gate=self._gate,
+                            stats=self._stats, jobs=self._jobs, holds=self._holds)
+        self._stores = Stores(core=core, connector=connector, config=config, memory=memory,
+                              layout=self.layout, keyspace=self.keyspace, gate=self._gate,
+                              stats=self._stats, jobs=self._jobs, holds=self._holds)
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str,
+                    cache_salt: str | None = None, lora_request: LoRAInfo | None = None,
+                    skip_reading_prefix_cache: bool = False) -> Request:
+        """A core request of ``tenant``, hashed with the manager's hasher and salted so no
+        other tenant's prefix can match it."""
+        self._check_open()
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        self.keyspace.namespaces(tenant)  # validates the tenant name
+        req = Request(request_id, prompt_token_ids, block_hasher=self.hasher,
+                      lora_request=lora_request, cache_salt=device_salt(tenant, cache_salt),
+                      skip_reading_prefix_cache=skip_reading_prefix_cache)
+        groups = self.layout.num_groups
+        self._requests[request_id] = ReqState(req, tenant, [[] for _ in range(groups)],
+                                              [0] * groups)
+        return req
+
+    def tenant_of(self, req: Request) -> str:
+        return self._state(req).tenant
+
+    def _state(self, req: Request) -> ReqState:
+        st = self._requests.get(req.request_id)
+        if st is None or st.req is not req:
+            raise ValueError(f"request {req.request_id!r} is not managed here "
+                             "(create it with new_request; finished requests are forgotten)")
+        return st
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the AsyncKVManager is closed")
+
+    def _hash_tokens(self, req: Request) -> int:
+        return len(req.block_hashes) * self._hash_block_size
+
+    def _local_hit(self, req: Request) -> _Local:
+        """The device hit, per group when a Mamba state may lag the attention hit (the
+        reconciled one is then looked up too, as vLLM's scheduler does)."""
+        core = self.core
+        if self._divergent:
+            deep_blocks, deep, boundary, diverged = core.get_computed_blocks_for_connector(req)
+            if diverged:
+                blocks, hit, boundary = core.get_computed_blocks(req)
+                return _Local(blocks, deep_blocks, LocalHit(hit, deep), boundary)
+            return _Local(deep_blocks, deep_blocks, LocalHit(deep, deep), boundary)
+        blocks, hit, boundary = core.get_computed_blocks(req)
+        return _Local(blocks, blocks, LocalHit(hit, hit), boundary)
+
+    # ------------------------------------------------------------------ lookup
+    async def lookup(self, req: Request) -> Lookup:
+        """The local hit and what the tiers hold beyond it, within ``lookup_timeout``: a
+        slow or dead connector is a miss. Read-only; safe to cancel."""
+        self._check_open()
+        st = self._state(req)
+        if st.admitted:
+            raise ValueError(f"request {req.request_id!r} already holds blocks")
+        hit = self._local_hit(req).hit
+        base = plans.device_base(self.layout, hit)
+        windows = plans.lookup_window(self.layout, req.num_tokens, base, self._hash_tokens(req))
+        first = tuple(w.start for w in windows)
+        miss = Lookup(req.request_id, hit.reconciled, 0, first, tuple(() for _ in windows))
+        chunks_possible = all(windows[g] for g in self.layout.chunked_groups)
+        if (st.skip_external or req.skip_reading_prefix_cache
+                or not (chunks_possible or hit.deep > hit.reconciled)):
+            return miss
+        keys = [st.chunk_keys(self.keyspace, g, w.start, w.stop) if self.layout.chunked(g)
+                else [] for g, w in enumerate(windows)]
+        self._stats.lookups += 1
+        timeout = self.config.lookup_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                deadline = Deadline.after(timeout)
+                found = await asyncio.gather(
+                    *(lookup_levels(self.connector, k, deadline) for k in keys))
+                levels = tuple(tuple(lv) for lv in found)
+                tier = TierHit(first, tuple(len(lv) for lv in levels))
+                states = await self._probe_states(st, hit, tier, deadline)
+        except TimeoutError:
+            self._stats.lookup_timeouts += 1
+            return Lookup(req.request_id, hit.reconciled, 0, first,
+                          tuple(() for _ in windows), True)
+        tier = TierHit(first, tier.present, frozenset(b for b, _ in states))
+        claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req), hit, tier)
+        return Lookup(req.request_id, claim.local, claim.external, first, levels, False,
+                      states, claim.state_at)
+
+    async def _probe_states(self, st: ReqState, hit: LocalHit, tier: TierHit,
+                            deadline: Deadline) -> tuple[tuple[int, int], ...]:
+        """The deepest boundary at which the tiers hold every state group's state, with
+        its (slowest) level: candidates are asked a few at a time, deepest first."""
+        req = st.req
+        todo = plans.state_candidates(self.layout, req.num_tokens, self._hash_tokens(req),
+                                      hit, tier)
+        groups = self.layout.state_groups
+        for i in range(0, len(todo), STATE_PROBES):
+            batch = todo[i:i + STATE_PROBES]
+            found = await asyncio.gather(*(lookup_levels(
+                self.connector, [self.keyspace.state_key(st.tenant, g, req.block_hashes, n)
+                                 for g in groups], deadline) for n in batch))
+            for n, levels in zip(batch, found, strict=True):
+                if len(levels) == len(groups):
+                    return ((n, max(levels)),)
+        return ()
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, req: Request, lookup: Lookup | None = None, *,
+                 num_new_tokens: int | None = None, num_lookahead_tokens: int = 0,
+                 reserved_blocks: int = 0, has_scheduled_reqs: bool = True
+                 ) -> Admission | None:
+        """Slots for the request's next step; None when there is no room (nothing taken).
+
+        ``num_new_tokens`` caps the tokens scheduled (the step's token budget); by default
+        every token not yet computed (with Mamba groups, cut where a state must be written:
+        ``Admission.num_new_tokens`` is what to compute). A request that holds no blocks is
+        admitted: the local hit is taken afresh and, with a ``lookup``, what the tiers hold
+        is claimed where every group can be restored. A claim allocates only the hit (vLLM
+        schedules no new tokens for an async load), sets the request
+        ``WAITING_FOR_REMOTE_KVS`` and starts the load. A request that holds blocks just
+        grows. The other arguments are the core's.
+        """
+        self._check_open()
+        st = self._state(req)
+        if st.load is not None:
+            raise ValueError(f"request {req.request_id!r} is waiting for its KV load")
+        if lookup is not None and lookup.request_id != req.request_id:
+            raise ValueError(f"lookup of {lookup.request_id!r} given for {req.request_id!r}")
+        step = _Step(num_new_tokens, num_lookahead_tokens, reserved_blocks, has_scheduled_reqs)
+        if not st.admitted:
+            return self._admit(st, lookup, step)
+        if lookup is not None:
+            raise ValueError(f"request {req.request_id!r} already holds blocks; "
+                             "a lookup only applies to an admission")
+        start = req.num_computed_tokens
+        n = self._split(req, start, step.tokens(req.num_tokens - start))
+        blocks = self.core.allocate_slots(
+            req, n, num_lookahead_tokens=num_lookahead_tokens, reserved_blocks=reserved_blocks,
+            has_scheduled_reqs=has_scheduled_reqs)
+        if blocks is None:
+            return None
+        self._run_copies()
+        return Admission(blocks, n)
+
+    def _split(self, req: Request, start: int, n: int) -> int:
+        if not self.layout.state_groups:
+            return n
+        partial = self.core.enable_partial_hash_hits
+        return plans.mamba_split(
+            start, n, num_prompt_tokens=req.num_prompt_tokens, num_tokens=req.num_tokens,
+            block_size=self.layout.block_sizes[self.layout.state_groups[0]],
+            checkpoint_unit=self._hash_block_size if partial else None)
+
+    def _run_copies(self) -> None:
+        """The device's copy-on-write of shared partial (Mamba) tails, before the step that
+        writes either block; then the core may let the retained endpoints go."""
+        copies, retained = self.core.take_kv_cache_block_copies()
+        for c in copies:
+            self.memory.copy_block(c.src_block_id, c.dst_block_id)
+        if retained:
+            self.core.free_retained_blocks(retained)
+
+    def _admit(self, st: ReqState, lookup: Lookup | None, step: _Step) -> Admission | None:
+        req = st.req
+        if req.num_computed_tokens:
+            raise ValueError(f"request {req.request_id!r} holds no blocks but claims "
+                             f"{req.num_computed_tokens} computed tokens")
+        local = self._local_hit(req)
+        claim = Claim(local.hit.reconciled)
+        if lookup is not None and not st.skip_external:
+            tier = TierHit(lookup.first, lookup.present, frozenset(b for b, _ in lookup.states))
+            claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req),
+                                    local.hit, tier)
+        loads = claim.loads
+        n = 0 if loads else self._split(req, claim.local,
+                                        step.tokens(req.num_tokens - claim.local))
+        req.shared_prefix_boundary = 0 if claim.deep else local.boundary
+        blocks = self.core.allocate_slots(
+            req, n, claim.local, self._claim_blocks(local, claim),
+            num_lookahead_tokens=0 if loads else step.lookahead,
+            num_external_computed_tokens=claim.external, delay_cache_blocks=loads,
+            reserved_blocks=step.reserved, has_scheduled_reqs=step.has_scheduled)
+        if blocks is None:
+            return None
+        self._run_copies()
+        st.admitted = True
+        st.outcome = None
+        total = claim.local + claim.external
+        req.num_computed_tokens = total  # optimistic during a load, as in vLLM
+        self.core.record_prefix_cache_stats(req, claim.local)
+        self._stores.start_cursor(st, total, lookup)
+        by_tier = self._count_hits(claim, lookup)
+        if loads:
+            self._loads.start(st, claim)
+        return Admission(blocks, n, claim.local, claim.external, loads, by_tier, claim.state_at)
+
+    def _claim_blocks(self, local: _Local, claim: Claim) -> KVCacheBlocks:
+        """The device blocks a claim adopts: attention groups cut to ``claim.local``, and
+        no state when the state comes from a tier (the core then gives the state slot a
+        fresh block)."""
+        if not claim.deep and claim.state_at is None and claim.local == local.hit.reconciled:
+            return local.blocks
+        src = local.deep_blocks if claim.deep else local.blocks
+        out = []
+        for g, lst in enumerate(src.blocks):
+            if not self.layout.chunked(g):
+                out.append([] if claim.state_at is not None else list(lst))
+            else:
+                out.append(list(lst[:claim.local // self.layout.block_sizes[g]]))
+        return self.core.create_kv_cache_blocks(tuple(out))
+
+    def _count_hits(self, claim: Claim, lookup: Lookup | None) -> dict[str, int]:
+        s = self._stats
+        s.local_hit_tokens += claim.local
+        if not claim.external or lookup is None:
+            return {}
+        s.external_hit_tokens += claim.external
+        state_level = next((lv for b, lv in lookup.states if b == claim.state_at), None)
+        levels = plans.tokens_by_level(self.layout, lookup.first, lookup.levels, claim.local,
+                                       claim.local + claim.external, state_level)
+        out: dict[str, int] = {}
+        for level, n in levels.items():
+            name = self.tiers[level]
+            out[name] = out.get(name, 0) + n
+            s.hit_tokens_by_tier[name] = s.hit_tokens_by_tier.get(name, 0) + n
+        return out
+
+    # ------------------------------------------------------------------ loads
+    async def wait_load(self, req: Request) -> LoadOutcome:
+        """Wait until the request's load has ended (its outcome stays until the next
+        admission)."""
+        st = self._state(req)
+        if st.load is None and st.outcome is None:
+            raise ValueError(f"request {req.request_id!r} has no load")
+        await st.loaded.wait()
+        assert st.outcome is not None
+        return st.outcome
+
+    def load_outcome(self, req: Request) -> LoadOutcome | None:
+        """The outcome of the request's last load, or None while it runs (or without one)."""
+        return self._state(req).outcome
+
+    # ------------------------------------------------------------------ per step
+    def after_step(self, requests: Iterable[Request]) -> int:
+        """Per-step hand-off, after the model step: offer the chunks these requests
+        completed (every block's KV written, i.e. below ``num_computed_tokens``) and every
+        Mamba boundary state the core handed over this step (of any request: an offer
+        not taken now is stale) for storing. Returns the objects whose stores started;
+        duplicates and objects over the byte budget are dropped, counted."""
+        self._check_open()
+        offers: dict[str, list[StateOffer]] = {
+            rid: [StateOffer(*o) for o in lst]
+            for rid, lst in self.core.take_boundary_state_offloads().items()}
+        started = 0
+        for req in requests:
+            started += self._stores.offer(self._state(req), offers.pop(req.request_id, ()))
+        for rid, rest in offers.items():
+            st = self._requests.get(rid)
+            if st is None:
+                self._stats.states_dropped += len(rest)
+            else:
+                started += self._stores.offer(st, rest)
+        # The step ran: states cached while scheduling it are on the device now (the
+        # Mamba same-step guard), and new attention blocks need no zeroing in host memory.
+        self.core.take_new_block_ids()
+        self.core.new_step_starts()
+        return started
+
+    # ------------------------------------------------------------------ freeing
+    def finish(self, req: Request) -> bool:
+        """The request is done: offer its last chunks and its finish-time Mamba partial
+        tail, then free its blocks. Returns True when freeing is delayed: a load still runs
+        (it is cancelled; its blocks are freed when it has stopped), or, in ``HOLD`` mode,
+        stores still read the blocks."""
+        st = self._state(req)
+        if not self._closed:
+            tails: list[StateOffer] = []
+            if st.admitted and st.load is None:
+                tails = [StateOffer(*t) for t in self.core.finalize_partial_tail_offloads(req)]
+            self._stores.offer(st, (), tails)
+        del self._requests[req.request_id]
+        st.finished = True
+        waits: set[LoadJob | StoreJob] = set()
+        if st.load is not None:
+            st.load.abandoned = True
+            waits.add(st.load)
+            if st.load.task is not None:
+                st.load.task.cancel()
+        if self.config.store_mode is StoreMode.HOLD:
+            waits |= st.stores
+        return self._release(st, waits)
+
+    def preempt(self, req: Request) -> bool:
+        """Free a running request's blocks to make room; it starts over as PREEMPTED. In
+        ``HOLD`` mode blocks its stores still read are kept until those end (True)."""
+        self._check_open()
+        st = self._state(req)
+        if st.load is not None:
+            raise ValueError(f"request {req.request_id!r} is loading its KV and cannot be "
+                             "preempted (as in vLLM)")
+        if not st.admitted:
+            raise ValueError(f"request {req.request_id!r} holds no blocks")
+        waits: set[LoadJob | StoreJob] = set()
+        if self.config.store_mode is StoreMode.HOLD:
+            waits |= st.stores
+        delayed = self._release(st, waits)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        return delayed
+
+    def _release(self, st: ReqState, waits: set[LoadJob | StoreJob]) -> bool:
+        if not st.admitted:
+            return False
+        st.admitted = False
+        if not waits:
+            self.core.free(st.req)
+            return False
+        self._holds.hold(self.core.pop_blocks_for_free(st.req), waits)
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def num_pending_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks of finished or preempted requests kept for jobs still running."""
+        return self._holds.num_blocks
+
+    @property
+    def store_bytes_in_flight(self) -> int:
+        return self._stores.bytes_in_flight
+
+    def has_pending_work(self) -> bool:
+        """Jobs still run (vLLM's ``has_pending_push_work``: keep the engine stepping)."""
+        return bool(self._jobs)
+
+    def stats(self) -> OffloadStats:
+        return self._stats.copy()
+
+    async def drain(self) -> None:
+        """Wait until every job started so far (and any they lead to) has ended."""
+        while self._jobs:
+            tasks = [j.task for j in list(self._jobs) if j.task is not None]
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Cancel and await every job (their releases run), then close the connector.
+        Requests still held keep their blocks; the engine finishes them. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._jobs:
+            tasks = [j.task for j in list(self._jobs) if j.task is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self.config.close_connector:
+            await self.connector.aclose()
+
+    async def __aenter__(self) -> AsyncKVManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,223 @@
+"""Paged host KV memory: the stand-in for the engine's device KV cache.
+
+One numpy array per KV-cache group, one row per block id (all groups share the core's block
+id space, as vLLM's tensors do), each row one page of raw bytes: K and V of every layer for
+an attention group (full or sliding window), the recurrent state of every layer for a Mamba
+group. Stores read rows out, loads copy verified bytes in; the core never sees any of it, it
+only hands out the ids.
+
+Rows are raw ``uint8``: the page layout (``PageShape.dims`` in ``dtype``) is described to the
+tiers through the stored object's metadata and the layout fingerprint, never interpreted here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvplugin.core.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvplugin.serde import DTYPE_SIZES
+
+__all__ = ["GroupShape", "HostKVMemory", "PageShape", "StateShape", "shape_of_group"]
+
+Rows = np.ndarray[Any, np.dtype[np.uint8]]
+
+
+@dataclass(frozen=True, slots=True)
+class PageShape:
+    """The bytes of one block of one attention group: K and V for every layer.
+    ``window``: the sliding window (tokens), 0 for full attention."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int
+    window: int = 0
+    extra_retained: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"PageShape.{name} must be a positive int, got {value!r}")
+        for name in ("window", "extra_retained"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"PageShape.{name} must be an int >= 0, got {value!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_SIZES)}")
+
+    @classmethod
+    def of_group(cls, group: KVCacheGroupSpec) -> PageShape:
+        """The page of an attention group (one layer per name in the group)."""
+        spec = group.kv_cache_spec
+        if type(spec) is FullAttentionSpec:
+            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
+                       spec.block_size)
+        if type(spec) is SlidingWindowSpec:
+            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
+                       spec.block_size, spec.sliding_window, spec.extra_retained_tokens)
+        raise ValueError(f"host memory for {spec.kind} groups is not supported; "
+                         "offload takes full-attention, sliding-window and Mamba groups")
+
+    @property
+    def kind(self) -> str:
+        """The group kind in the offload plans (``kvplugin.aio.plans.KINDS``)."""
+        return "window" if self.window else "full"
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens the core keeps behind the next one (0: all of them)."""
+        return self.window - 1 + self.extra_retained if self.window else 0
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The page as an array: (K/V, layer, token slot, head, head dim)."""
+        return (2, self.num_layers, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def page_bytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.dims:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class StateShape:
+    """The bytes of one block of a Mamba group: every layer's recurrent state at one token
+    boundary, raw bytes (a layer's tensors may mix dtypes), ``dims = (layers, bytes)``."""
+
+    num_layers: int
+    layer_bytes: int
+    block_size: int
+    shapes: tuple[tuple[int, ...], ...] = ()  # the tensors, for the layout fingerprint
+    dtypes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "layer_bytes", "block_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"StateShape.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def of_group(cls, group: KVCacheGroupSpec) -> StateShape:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, MambaSpec) or spec.mamba_cache_mode != "align":
+            raise ValueError(f"{spec.kind} group: only Mamba 'align' states are offloaded")
+        if len(spec.shapes) != len(spec.dtypes):
+            raise ValueError("MambaSpec needs one dtype per state tensor")
+        layer = 0
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+            if dtype not in DTYPE_SIZES:
+                raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
+            layer += math.prod(shape) * DTYPE_SIZES[dtype]
+        return cls(len(group.layer_names), layer, spec.block_size, tuple(spec.shapes),
+                   tuple(spec.dtypes))
+
+    @property
+    def kind(self) -> str:
+        return "state"
+
+    @property
+    def dtype(self) -> str:
+        return "uint8"
+
+    @property
+    def window_tokens(self) -> int:
+        return 0
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.num_layers, self.layer_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+
+GroupShape = PageShape | StateShape
+
+
+def shape_of_group(group: KVCacheGroupSpec) -> GroupShape:
+    """The host page of any group offload supports (raises for the others)."""
+    if isinstance(group.kv_cache_spec, MambaSpec):
+        return StateShape.of_group(group)
+    return PageShape.of_group(group)
+
+
+class HostKVMemory:
+    """``num_blocks`` pages per group. Block 0 (the core's null block) is never written."""
+
+    def __init__(self, num_blocks: int, shapes: Sequence[GroupShape]) -> None:
+        if type(num_blocks) is not int or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2, got {num_blocks!r}")
+        if not shapes:
+            raise ValueError("host memory needs at least one group")
+        self.num_blocks = num_blocks
+        self.shapes = tuple(shapes)
+        self._arrays: list[Rows] = [np.zeros((num_blocks, s.page_bytes), dtype=np.uint8)
+                                    for s in self.shapes]
+
+    @classmethod
+    def for_config(cls, config: KVCacheConfig) -> HostKVMemory:
+        return cls(config.num_blocks, [shape_of_group(g) for g in config.kv_cache_groups])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._arrays)
+
+    def page_bytes(self, group: int) -> int:
+        return self.shapes[group].page_bytes
+
+    def pages(self, group: int, block_ids: Sequence[int]) -> Rows:
+        """The rows of ``block_ids``: a zero-copy view when the ids are consecutive (always
+        for a single block), a gathered copy otherwise."""
+        ids = self._check_ids(group, block_ids)
+        first = ids[0]
+        if ids == list(range(first, first + len(ids))):
+            return self._arrays[group][first:first + len(ids)]
+        return self._arrays[group][ids]
+
+    def copy_out(self, group: int, block_ids: Sequence[int]) -> Rows:
+        """A private copy of the rows (the source blocks may be reused right after)."""
+        ids = self._check_ids(group, block_ids)
+        return self._arrays[group][ids]
+
+    def copy_in(self, group: int, block_ids: Sequence[int], data: Any) -> None:
+        """Write ``len(block_ids)`` pages of bytes (any buffer, e.g. a loaded payload)."""
+        ids = self._check_ids(group, block_ids)
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        width = self.shapes[group].page_bytes
+        if src.size != len(ids) * width:
+            raise ValueError(f"{src.size} bytes do not fill {len(ids)} pages of {width} bytes")
+        self._arrays[group][ids] = src.reshape(len(ids), width)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """The device's copy-on-write of one block: every group's row (a block id belongs
+        to one group at a time; the other rows are unused)."""
+        self._check_ids(0, [src, dst])
+        for arr in self._arrays:
+            arr[dst] = arr[src]
+
+    def _check_ids(self, group: int, block_ids: Sequence[int]) -> list[int]:
+        if not 0 <= group < len(self._arrays):
+            raise ValueError(f"group {group} out of range [0, {len(self._arrays)})")
+        ids = list(block_ids)
+        if not ids:
+            raise ValueError("no block ids given")
+        for b in ids:
+            if type(b) is not int or not 0 < b < self.num_blocks:
+                raise ValueError(f"block id {b!r} outside [1, {self.num_blocks})")
+        return ids

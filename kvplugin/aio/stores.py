@@ -1,0 +1,251 @@
+"""The store side of the async manager: what to offer the tiers each step, within the byte
+budget, as store jobs; Mamba checkpoints; blocks held for jobs after a request let go.
+
+Each step a request offers the attention chunks it completed and the Mamba states the core
+handed over (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads`` at
+finish). Both go out as ONE store job, chunks first and states last: a state at N is a
+checkpoint only together with every attention chunk before N, so a state whose chunks
+could not all be stored (shed over budget, already released, failed) is not stored at all,
+and a lookup counts a boundary only when every group's objects are present.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from connectors.base import Connector, PutItem
+from connectors.keys import ObjectKey
+from kvplugin.aio import plans
+from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, StoreJob, run_store
+from kvplugin.aio.jobs import start as start_job
+from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.memory import HostKVMemory
+from kvplugin.aio.plans import StateOffer
+from kvplugin.aio.reqstate import NO_HOLE, ReqState
+from kvplugin.aio.values import Lookup, OffloadConfig, OffloadStats, StoreMode
+from kvplugin.core.blocks import KVCacheBlock
+from kvplugin.core.manager import KVCacheManager
+from kvplugin.serde import Block
+
+__all__ = ["Holds", "Stores"]
+
+logger = logging.getLogger(__name__)
+
+Job = LoadJob | StoreJob
+
+
+@dataclass(eq=False, slots=True)
+class _Held:
+    blocks: list[KVCacheBlock]
+    jobs: set[Job]
+
+
+class Holds:
+    """Blocks a finished or preempted request left behind until ``jobs`` end (a load that
+    may still write them, stores that read them in place): vLLM's delayed free."""
+
+    def __init__(self, core: KVCacheManager) -> None:
+        self._core = core
+        self._held: list[_Held] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self._held)
+
+    def hold(self, blocks: list[KVCacheBlock], jobs: set[Job]) -> None:
+        self._held.append(_Held(blocks, set(jobs)))
+
+    def job_ended(self, job: Job) -> None:
+        for held in [h for h in self._held if job in h.jobs]:
+            held.jobs.discard(job)
+            if not held.jobs:
+                self._held.remove(held)
+                self._core.free_popped_blocks(held.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    group: int
+    index: int  # chunk index, or the state's boundary
+    key: ObjectKey
+    block_ids: list[int]
+    nbytes: int
+    tail: bool = False
+
+
+class Stores:
+    """Offers, the in-flight byte budget and the store jobs of one manager."""
+
+    def __init__(self, *, core: KVCacheManager, connector: Connector, config: OffloadConfig,
+                 memory: HostKVMemory, layout: plans.Layout, keyspace: KeySpace,
+                 gate: IOGate, stats: OffloadStats, jobs: set[Job], holds: Holds) -> None:
+        self._core = core
+        self._connector = connector
+        self._config = config
+        self._memory = memory
+        self._layout = layout
+        self._keyspace = keyspace
+        self._gate = gate
+        self._stats = stats
+        self._jobs = jobs
+        self._holds = holds
+        self._storing: set[str] = set()  # key ids of objects being stored
+        self._bytes = 0
+        self._hbs = keyspace.hash_block_size
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self._bytes
+
+    def start_cursor(self, st: ReqState, hit: int, lookup: Lookup | None) -> None:
+        """Where a newly admitted request's stores start. Chunks inside the hit came from
+        somewhere that stored them; chunks the tiers already hold beyond the claim need no
+        store either (vLLM's chunk-level policy); so do states up to the hit."""
+        for g in self._layout.chunked_groups:
+            n = hit // self._layout.chunk_tokens(g)
+            if lookup is not None:
+                n = max(n, lookup.first[g] + lookup.present[g])
+            st.next_chunk[g] = n
+        st.known_until = hit
+        st.hole = NO_HOLE
+
+    # ------------------------------------------------------------------ offers
+    def offer(self, st: ReqState, offers: Sequence[StateOffer] = (),
+              tails: Sequence[StateOffer] = ()) -> int:
+        """Store what the request completed: new attention chunks, then the states offered
+        for it (``tails``: finish-time partial tails). Returns the objects whose stores
+        started; duplicates and objects over the byte budget are dropped, counted."""
+        if not st.admitted or st.load is not None:
+            # Its blocks are gone or still being loaded: no offer of it can be read.
+            self._stats.states_dropped += len(offers) + len(tails)
+            return 0
+        chunks = self._chunk_candidates(st)
+        chunk_sel = self._select(chunks, self._bytes)
+        self._mark_holes(st, chunks, chunk_sel.take)
+        used = self._bytes + sum(chunks[i].nbytes for i in chunk_sel.take)
+        states = self._state_candidates(st, offers, tails)
+        state_sel = self._select(states, used)
+        take = [chunks[i] for i in chunk_sel.take] + [states[i] for i in state_sel.take]
+        if take:
+            self._start(st, take, len(state_sel.take))
+        return len(take)
+
+    def _select(self, cands: list[_Candidate], used: int) -> plans.StoreSelection:
+        sel = plans.select_stores([(c.key.id, c.nbytes) for c in cands], self._storing, used,
+                                  self._config.store_budget_bytes)
+        self._stats.stores_shed += sel.shed
+        self._stats.stores_deduplicated += sel.duplicates
+        return sel
+
+    def _chunk_candidates(self, st: ReqState) -> list[_Candidate]:
+        req = st.req
+        committed = req.num_computed_tokens
+        if self._config.store_prompt_only:
+            committed = min(committed, req.num_prompt_tokens)
+        hash_tokens = len(req.block_hashes) * self._hbs
+        table = self._core.get_block_ids(req.request_id)
+        cb = self._layout.chunk_blocks
+        out = []
+        for g in self._layout.chunked_groups:
+            window = plans.store_window(self._layout, g, st.next_chunk[g], committed,
+                                        hash_tokens)
+            nbytes = self._memory.page_bytes(g) * cb
+            for c, key in zip(window, st.chunk_keys(self._keyspace, g, window.start,
+                                                    window.stop), strict=True):
+                ids = table[g][c * cb:(c + 1) * cb]
+                if 0 in ids:
+                    # A window group released part of it before it completed.
+                    st.hole = min(st.hole, c * self._layout.chunk_tokens(g))
+                    continue
+                out.append(_Candidate(g, c, key, ids, nbytes))
+            st.next_chunk[g] = window.stop  # offered once: stored, deduplicated or shed
+        return out
+
+    def _mark_holes(self, st: ReqState, chunks: list[_Candidate], taken: Sequence[int]) -> None:
+        kept = set(taken)
+        for i, c in enumerate(chunks):
+            if i not in kept and c.key.id not in self._storing:  # shed, not deduplicated
+                st.hole = min(st.hole, c.index * self._layout.chunk_tokens(c.group))
+
+    def _state_candidates(self, st: ReqState, offers: Sequence[StateOffer],
+                          tails: Sequence[StateOffer]) -> list[_Candidate]:
+        if not offers and not tails:
+            return []
+        req = st.req
+        save_end = req.num_prompt_tokens if self._config.store_prompt_only else req.num_tokens
+        tail_set = set(tails)
+        kept, dropped = plans.select_states(
+            self._layout, [*offers, *tails], alive=True, known_until=st.known_until,
+            save_end=save_end, hole=st.hole)
+        out = []
+        for o in kept:
+            key = self._keyspace.state_key(st.tenant, o.group, req.block_hashes, o.boundary)
+            if not self._still_holds(st, o):
+                dropped += 1
+                continue
+            out.append(_Candidate(o.group, o.boundary, key, [o.block_id],
+                                  self._memory.page_bytes(o.group), o in tail_set))
+        self._stats.states_dropped += dropped
+        return out
+
+    def _still_holds(self, st: ReqState, offer: StateOffer) -> bool:
+        """Whether the offered block is still cached under the request's hash at the
+        boundary: a block evicted and reused since the offer holds someone else's bytes."""
+        digest = st.req.block_hashes[offer.boundary // self._hbs - 1]
+        key = digest + offer.group.to_bytes(4, "big")
+        return self._core.block_pool.cached_block_hash_to_block.contain(key, offer.block_id)
+
+    # ------------------------------------------------------------------ jobs
+    def _start(self, st: ReqState, take: list[_Candidate], num_states: int) -> None:
+        items: list[PutItem] = []
+        nbytes = 0
+        first_token = NO_HOLE
+        copy = self._config.store_mode is StoreMode.COPY
+        for i, c in enumerate(take):
+            state = i >= len(take) - num_states
+            shape = self._memory.shapes[c.group]
+            # A state block is not kept alive by the request's table: always copied now.
+            rows = (self._memory.copy_out(c.group, c.block_ids) if copy or state
+                    else self._memory.pages(c.group, c.block_ids))
+            if state:
+                meta = c.key.meta(token_start=0, token_end=c.index, dtype=shape.dtype,
+                                  shape=(1, *shape.dims), boundary=c.index)
+            else:
+                ct = self._layout.chunk_tokens(c.group)
+                first_token = min(first_token, c.index * ct)
+                meta = c.key.meta(token_start=c.index * ct, token_end=(c.index + 1) * ct,
+                                  dtype=shape.dtype,
+                                  shape=(self._layout.chunk_blocks, *shape.dims))
+            items.append((c.key, Block(meta, rows.data)))
+            nbytes += rows.nbytes
+        job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
+                       owner=st, states=num_states,
+                       partial_tails=sum(c.tail for c in take), first_token=first_token)
+        self._storing |= job.key_ids
+        self._bytes += nbytes
+        st.stores.add(job)
+        self._stats.stores += 1
+        coro = run_store(job, self._connector, self._gate, self._config.store_timeout,
+                         self._end)
+        start_job(job, coro, f"kv-store-{st.req.request_id}", self._end)
+        self._jobs.add(job)
+
+    def _end(self, job: StoreJob) -> None:
+        self._jobs.discard(job)
+        self._storing -= job.key_ids
+        self._bytes -= job.nbytes
+        st: ReqState = job.owner
+        st.stores.discard(job)
+        chunks = len(job.items) - job.states
+        if job.ended is JobEnd.DONE:
+            self._stats.stored_chunks += chunks
+            self._stats.stored_bytes += job.nbytes
+            self._stats.stored_states += job.states
+            self._stats.partial_tails += job.partial_tails
+        else:
+            self._stats.stores_failed += len(job.items)
+            # Later states of this request would miss these chunks.
+            st.hole = min(st.hole, job.first_token)
+        self._holds.job_ended(job)

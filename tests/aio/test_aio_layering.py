@@ -1,0 +1,63 @@
+"""Layering of the async layer: the core and the connectors never import it, and it loads
+in a fresh interpreter without pulling in the CLI or the simulation."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.aio.plans",
+       "kvplugin.aio.memory", "kvplugin.aio.keys", "kvplugin.aio.values",
+       "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads"]
+
+
+def _loaded_after(*modules: str) -> set[str]:
+    code = f"import sys, {', '.join(modules)}; print('\\n'.join(sys.modules))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, cwd=REPO).stdout
+    return set(out.split())
+
+
+def _static_imports(root: Path) -> list[tuple[Path, int, str]]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found += [(path, node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.append((path, node.lineno, node.module))
+    return found
+
+
+def _is_aio(module: str) -> bool:
+    return module == "kvplugin.aio" or module.startswith("kvplugin.aio.")
+
+
+def test_core_and_connectors_never_name_the_async_layer() -> None:
+    for root in (REPO / "kvplugin" / "core", REPO / "connectors"):
+        bad = [(p.relative_to(REPO), line, m) for p, line, m in _static_imports(root)
+               if _is_aio(m)]
+        assert not bad, bad
+
+
+def test_core_and_connectors_never_load_the_async_layer() -> None:
+    core = [f"kvplugin.core.{p.stem}" for p in (REPO / "kvplugin" / "core").glob("*.py")
+            if p.stem != "__init__"]
+    conns = [f"connectors.{p.stem}" for p in (REPO / "connectors").glob("*.py")
+             if p.stem != "__init__"]
+    loaded = _loaded_after(*core, *conns)
+    assert set(core) <= loaded and set(conns) <= loaded
+    assert not {m for m in loaded if _is_aio(m)}
+
+
+def test_async_layer_imports_cleanly_and_alone() -> None:
+    loaded = _loaded_after(*AIO)
+    assert set(AIO) <= loaded
+    assert not {m for m in loaded if m in ("kvplugin.cli", "kvplugin.sim", "kvplugin.replay")}
+    assert {p.stem for p in (REPO / "kvplugin" / "aio").glob("*.py")} - {"__init__"} \
+        == {m.rsplit(".", 1)[1] for m in AIO[1:]}
