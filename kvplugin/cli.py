@@ -7,7 +7,10 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvplugin.config import KVPluginConfig
 
 
 def _stem(path: str) -> str:
@@ -86,7 +89,9 @@ def summarize(result: dict[str, Any]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """The main job: replay a trace, or simulate the configured deployment's traffic."""
+    """The main job: the engine with offload on the configured deployment; or the core-only
+    simulation (``--core-only``, ``--save-trace``, layouts the engine cannot offload yet);
+    or a trace replay (``--trace``)."""
     if args.trace:
         from kvplugin.replay import load_trace, run_trace
 
@@ -96,7 +101,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1 if result["summary"]["num_errors"] else 0
 
     from kvplugin.config import ConfigError, load_config
-    from kvplugin.sim import Simulation
 
     try:
         cfg = load_config(args.config)
@@ -105,15 +109,49 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     overrides = {k: v for k, v in (("num_requests", args.requests), ("seed", args.seed))
                  if v is not None}
-    workload = cfg.workload.model_copy(update=overrides)
-    sim = Simulation(cfg.layout.as_trace_config(), workload, cfg.limits)
+    cfg = cfg.model_copy(update={"workload": cfg.workload.model_copy(update=overrides)})
+    source = args.config or "the embedded default config"
+    if args.core_only or args.save_trace:
+        return _run_core(cfg, args, source)
+    from kvplugin.engine.build import engine_supports
+
+    reason = engine_supports(cfg.layout)
+    if reason is not None:
+        print(f"kvplugin run: {reason}; running the core-only simulation", file=sys.stderr)
+        return _run_core(cfg, args, source)
+    return _run_engine(cfg, args, source)
+
+
+def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
+    from kvplugin.engine.run import run_engine
+
+    report = run_engine(cfg)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(f"kvplugin: served {source} on the async engine, offload to "
+              f"{' + '.join(report.extra['tiers'])}")
+        print(report.table())
+    return 0 if report.ok() else 1
+
+
+def _run_core(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
+    from kvplugin.sim import Simulation
+
+    sim = Simulation(cfg.layout.as_trace_config(), cfg.workload, cfg.limits)
     r = sim.run()
     if args.save_trace:
         with open(args.save_trace, "w") as f:
             json.dump(r.trace, f)
     rate = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
     res = sim.rep.describe()
-    print(f"kvplugin: simulated {args.config or 'the embedded default config'}")
+    if args.json:
+        print(json.dumps({"requests": r.requests, "prompt_tokens": r.prompt_tokens,
+                          "hit_tokens": r.hit_tokens, "preemptions": r.preemptions,
+                          "failed_allocations": r.failed_allocations, "steps": r.steps,
+                          "free_blocks": r.final_free_blocks, "total_blocks": r.total_blocks}))
+        return 0
+    print(f"kvplugin: simulated {source} on the allocation core")
     print("\n".join([
         f"layout       : {res['coordinator']} {res['managers']} block sizes "
         f"{res['group_block_sizes']}, {r.total_blocks} usable blocks",
@@ -142,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--requests", type=int, help="override workload.num_requests")
     run.add_argument("--seed", type=int, help="override workload.seed")
     run.add_argument("--save-trace", metavar="OUT",
-                     help="write the simulated calls as a conformance trace")
+                     help="write the simulated calls as a conformance trace (core-only)")
+    run.add_argument("--core-only", action="store_true",
+                     help="simulate the scheduler on the allocation core alone (no engine, "
+                          "no offload)")
+    run.add_argument("--json", action="store_true",
+                     help="print the report as one JSON object (the last line)")
     run.set_defaults(func=cmd_run)
     return ap
 

@@ -92,13 +92,25 @@ class WorkloadConfig(_Strict):
     resend_prob: float = Field(default=0.1, ge=0, le=1)
     salt_prob: float = Field(default=0.1, ge=0, le=1)
     lora_prob: float = Field(default=0.1, ge=0, le=1)
-    arrivals_per_step: float = Field(default=1.5, gt=0)
+    arrivals_per_step: float = Field(default=1.5, gt=0)  # the core-only simulation's
     vocab: int = Field(default=32000, ge=2)
     seed: int = 0
+    # The engine's workload (kvplugin.engine.workload): tenants share the system prompts'
+    # tokens (the tiers must still keep them apart), ask about their own documents, and
+    # arrive in real time; a follow-up comes a think time after its parent's answer.
+    num_tenants: int = Field(default=3, ge=1)
+    num_documents: int = Field(default=2, ge=1)  # per tenant
+    document_len: tuple[int, int] = (256, 768)
+    doc_qa_prob: float = Field(default=0.25, ge=0, le=1)
+    requests_per_s: float = Field(default=200.0, gt=0)
+    think_time_ms: tuple[int, int] = (0, 20)
 
     @model_validator(mode="after")
     def _ranges(self) -> WorkloadConfig:
-        for name in ("system_prompt_len", "user_len", "output_len"):
+        lo, hi = self.think_time_ms
+        if not 0 <= lo <= hi:
+            raise ValueError("think_time_ms must be a range [lo, hi] with 0 <= lo <= hi")
+        for name in ("system_prompt_len", "user_len", "output_len", "document_len"):
             lo, hi = getattr(self, name)
             if not 0 < lo <= hi:
                 raise ValueError(f"{name} must be a range [lo, hi] with 0 < lo <= hi")
@@ -115,10 +127,84 @@ class LimitsConfig(_Strict):
     stats_every: int = Field(default=8, gt=0)
 
 
+GB = 1 << 30
+TEMP_DISK = "temp://"  # offload.local_disk: a fresh temporary directory, removed afterwards
+
+
+class ModelConfig(_Strict):
+    """The model's KV page shape (per full-attention group) and its name in the tiers' keys."""
+
+    name: str = Field(default="kvplugin/fake-model", min_length=1)
+    num_layers: int = Field(default=2, gt=0)  # layers per KV-cache group
+    num_kv_heads: int = Field(default=2, gt=0)
+    head_size: int = Field(default=32, gt=0)
+    dtype: Literal["float16", "bfloat16", "float32", "int8", "uint8"] = "float16"
+
+
+class OffloadConfigSection(_Strict):
+    """KV offload tiers. Key names follow LMCache's where one exists (sizes in GB, as
+    LMCache); the rest are kvplugin's own."""
+
+    chunk_size: int = Field(default=16, gt=0)  # tokens per stored object
+    local_cpu: bool = True
+    max_local_cpu_size: float = Field(default=0.001, gt=0)
+    local_disk: str | None = TEMP_DISK  # a path ("file://" allowed), temp:// or null
+    max_local_disk_size: float = Field(default=0.05, gt=0)
+    remote_url: str | None = None  # redis://host:port/db adds a Redis tier
+    store_mode: Literal["copy", "hold"] = "copy"
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    lookup_timeout_ms: float = Field(default=50.0, gt=0)
+    load_timeout_ms: float = Field(default=2000.0, gt=0)
+    store_timeout_ms: float = Field(default=5000.0, gt=0)
+    max_io: int = Field(default=8, gt=0)
+    store_budget_mb: float = Field(default=64.0, gt=0)
+    store_prompt_only: bool = False
+
+    @model_validator(mode="after")
+    def _tiers(self) -> OffloadConfigSection:
+        if not (self.local_cpu or self.local_disk or self.remote_url):
+            raise ValueError("no tier: enable local_cpu, local_disk or remote_url")
+        if self.remote_url is not None and not self.remote_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError("remote_url must be a redis://, rediss:// or unix:// URL")
+        if self.local_disk == "":
+            raise ValueError("local_disk must be a path, temp:// or null")
+        return self
+
+    @property
+    def disk_path(self) -> str | None:
+        """The disk tier's directory (None: no disk tier, or a temporary one)."""
+        if self.local_disk is None or self.local_disk == TEMP_DISK:
+            return None
+        return self.local_disk.removeprefix("file://")
+
+
+class EngineConfig(_Strict):
+    """The reference async engine (``kvplugin run``). The token budget and max_num_seqs
+    default to the ``limits`` section's, which the core-only simulation also reads."""
+
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    prefill_token_ms: float = Field(default=0.004, ge=0)  # simulated cost per prefill token
+    decode_step_ms: float = Field(default=1.0, ge=0)  # simulated cost of a step with decodes
+    uvloop: bool = True  # use uvloop when it is installed
+    lag_probe_ms: float = Field(default=5.0, gt=0)  # period of the event-loop lag probe
+
+
 class KVPluginConfig(_Strict):
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    offload: OffloadConfigSection = Field(default_factory=OffloadConfigSection)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _chunks(self) -> KVPluginConfig:
+        if self.offload.chunk_size % self.layout.block_size:
+            raise ValueError(f"offload.chunk_size {self.offload.chunk_size} is not a multiple "
+                             f"of layout.block_size {self.layout.block_size}")
+        return self
 
 
 # ----------------------------------------------------------------------------- loading
@@ -143,7 +229,7 @@ def _parse(text: str, suffix: str, source: str) -> dict[str, Any]:
 
 def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """``KVPLUGIN_LAYOUT__NUM_BLOCKS=64`` sets ``layout.num_blocks``."""
-    out = json.loads(json.dumps(data))  # deep copy of plain data
+    out: dict[str, Any] = json.loads(json.dumps(data))  # deep copy of plain data
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue

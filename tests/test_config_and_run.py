@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvplugin.config import ConfigError, apply_env_overrides, load_config, validate
+from kvplugin.engine.build import engine_supports
+from kvplugin.engine.run import run_engine
 from kvplugin.replay import run_trace
 from kvplugin.sim import Limits, Simulation, Workload
 
@@ -18,9 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_embedded_default_loads() -> None:
     cfg = load_config(env={})
-    assert cfg.layout.num_blocks == 512
+    assert cfg.layout.num_blocks == 160
     assert [g.kind for g in cfg.layout.groups] == ["full"]
     assert cfg.layout.as_trace_config()["groups"] == [{"kind": "full"}]
+    # Offload on by default: host memory and a temporary disk directory, no Redis.
+    off = cfg.offload
+    assert off.local_cpu and off.local_disk == "temp://" and off.remote_url is None
+    assert off.disk_path is None and off.chunk_size % cfg.layout.block_size == 0
+    assert cfg.engine.prefill_token_ms > 0 and cfg.model.dtype == "float16"
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").iterdir()), ids=lambda p: p.name)
@@ -28,6 +35,10 @@ def test_shipped_configs_are_valid(path: Path) -> None:
     cfg = load_config(path, env={})
     # Every shipped layout must build a manager.
     Simulation(cfg.layout.as_trace_config(), Workload(num_requests=1), Limits())
+    if engine_supports(cfg.layout) is None:  # and serve a few requests on the engine
+        small = cfg.workload.model_copy(update={"num_requests": 6})
+        report = run_engine(cfg.model_copy(update={"workload": small}))
+        assert report.ok() and report.finished == 6
 
 
 def test_unknown_key_is_rejected_with_file_and_path(tmp_path: Path) -> None:
@@ -49,6 +60,15 @@ def test_unknown_key_is_rejected_with_file_and_path(tmp_path: Path) -> None:
     ({"workload": {"output_len": [5, 2]}}, "output_len"),
     ({"limits": {"max_num_seqs": 0}}, "limits.max_num_seqs"),
     ({"tenants": {}}, "tenants"),
+    ({"offload": {"max_local_cpu_size": 0}}, "offload.max_local_cpu_size"),
+    ({"offload": {"local_cpu": False, "local_disk": None}}, "no tier"),
+    ({"offload": {"remote_url": "http://x"}}, "redis://"),
+    ({"offload": {"store_mode": "later"}}, "offload.store_mode"),
+    ({"offload": {"chunk_size": 24}}, "not a multiple of layout.block_size"),
+    ({"offload": {"max_local_cpu_szie": 1}}, "offload.max_local_cpu_szie"),
+    ({"engine": {"decode_step_ms": -1}}, "engine.decode_step_ms"),
+    ({"model": {"dtype": "float64"}}, "model.dtype"),
+    ({"workload": {"think_time_ms": [5, 1]}}, "think_time_ms"),
 ])
 def test_invalid_values_name_the_problem(doc: dict, where: str) -> None:
     with pytest.raises(ConfigError, match=r"(?s)invalid configuration.*") as e:
@@ -79,6 +99,11 @@ def test_env_overrides() -> None:
     assert cfg.limits.full_sequence_must_fit is False
     with pytest.raises(ConfigError, match=r"layout\.bogus"):
         validate(apply_env_overrides({}, {"KVPLUGIN_LAYOUT__BOGUS": "1"}))
+    off = validate(apply_env_overrides({}, {"KVPLUGIN_OFFLOAD__MAX_LOCAL_CPU_SIZE": "0.5",
+                                            "KVPLUGIN_OFFLOAD__LOCAL_DISK": "file:///tmp/kv",
+                                            "KVPLUGIN_ENGINE__MAX_NUM_SEQS": "4"}))
+    assert off.offload.max_local_cpu_size == 0.5 and off.offload.disk_path == "/tmp/kv"
+    assert off.engine.max_num_seqs == 4
 
 
 def test_simulation_is_deterministic_and_replays_identically() -> None:
@@ -99,17 +124,37 @@ def test_simulation_is_deterministic_and_replays_identically() -> None:
     assert result["summary"]["final_num_free_blocks"] == a.total_blocks
 
 
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvplugin.cli", "run", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_kvplugin_run_default_and_bad_config(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvplugin.cli", "run", "--requests", "8"],
-                         capture_output=True, text=True, check=True).stdout
-    assert "embedded default config" in out
-    assert "prefix hits" in out and "free blocks  : 511 of 511" in out
+    proc = _run("--requests", "24")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "embedded default config on the async engine, offload to memory + disk" in out
+    assert "requests      : 24/24 finished" in out and "leaked blocks : 0" in out
+    assert ", 0 mismatches, 0 cross-tenant" in out
+    out = _run("--core-only", "--requests", "8").stdout
+    assert "embedded default config on the allocation core" in out
+    assert "prefix hits" in out and "free blocks  : 159 of 159" in out
     bad = tmp_path / "c.yaml"
     bad.write_text("layout: {num_blocks: 0}\n")
-    proc = subprocess.run([sys.executable, "-m", "kvplugin.cli", "run", "--config", str(bad)],
-                          capture_output=True, text=True)
+    proc = _run("--config", str(bad))
     assert proc.returncode == 2
     assert "layout.num_blocks" in proc.stderr
+
+
+def test_layouts_the_engine_cannot_offload_yet_run_on_the_core(tmp_path: Path) -> None:
+    proc = _run("--config", str(REPO / "configs" / "hybrid_swa.yaml"), "--requests", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert "running the core-only simulation" in proc.stderr
+    assert "on the allocation core" in proc.stdout
+    trace = tmp_path / "t.json"
+    proc = _run("--requests", "6", "--save-trace", str(trace))
+    assert proc.returncode == 0 and run_trace(json.loads(trace.read_text()))["summary"][
+        "num_errors"] == 0
 
 
 def test_quickstart_example_runs() -> None:

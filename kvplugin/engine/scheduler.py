@@ -1,0 +1,458 @@
+"""The reference async engine: vLLM 0.33.0's scheduling rules on an asyncio serving loop.
+
+One step is ``schedule`` (synchronous: every decision and its bookkeeping, no await), the
+model's ``execute`` (awaited: the loop keeps serving offload I/O meanwhile, as it would
+while a GPU computes), and ``_update`` (synchronous: sampled tokens, store hand-offs,
+finishes). What ``schedule`` does, after vLLM's ``Scheduler.schedule``:
+
+1. Running requests first, in order, each getting ``min(tokens left, budget,
+   long_prefill_token_threshold)`` tokens (chunked prefill under ``max_num_batched_tokens``).
+   When the allocation fails, the newest running request is preempted (recompute: it gives
+   its blocks back and starts over from the front of the waiting queue) until it fits, or
+   the request preempted itself. While the manager holds blocks for stores about to end, no
+   one is preempted (vLLM's ``has_pending_block_frees``): the step just does less.
+2. Only when nobody was preempted, waiting requests up to ``max_num_seqs`` running: first
+   those whose KV load ended and who hold their blocks (vLLM's ``kv_holding_waiting``), then
+   the waiting queue in order. A waiting request is admitted with the result of its lookup,
+   which runs in the background as soon as the request is queued; one whose lookup has not
+   answered yet is skipped this step (vLLM skips a request whose connector answers None).
+   An admission that claims tokens from the tiers parks the request
+   (``WAITING_FOR_REMOTE_KVS``) without scheduling tokens; when the load ends it moves to
+   the kv-holding queue (or back to the waiting queue when nothing was kept).
+   The first allocation that fails ends admissions for the step (FCFS).
+
+Finishing hands the request to the manager, whose delayed free keeps blocks that stores
+still read. Every device hit and every loaded block is checked against the model's
+recomputation (``FakeModel.check``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvplugin.aio.manager import AsyncKVManager
+from kvplugin.aio.values import Admission, LoadOutcome, LoadStatus, Lookup
+from kvplugin.core.request import LoRAInfo, Request, RequestStatus
+from kvplugin.engine.model import FakeModel, Work
+
+__all__ = ["Engine", "EngineRequest", "EngineStats", "Result", "SchedulerLimits"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 16
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap below the budget
+    idle_poll_s: float = 0.002  # how often an idle step looks again while jobs run
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.long_prefill_token_threshold < 0 or not self.idle_poll_s > 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, idle_poll_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    request_id: str
+    tenant: str
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    status: RequestStatus
+    preemptions: int
+    ttft_s: float | None
+    latency_s: float
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    idle_waits: int = 0
+    requests: int = 0
+    finished: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    computed_prompt_tokens: int = 0  # prefill tokens computed (recomputations included)
+    admissions: int = 0
+    preemptions: int = 0
+    parked: int = 0  # admissions that waited for a KV load
+    lookup_skips: int = 0  # admissions put off because the lookup had not answered
+    lookup_refreshes: int = 0  # lookups redone because the device hit had shrunk
+    unstuck: int = 0  # loaded requests sent back to the queue to free a stuck pool
+    device_hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    kv_events: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class EngineRequest:
+    req: Request
+    tenant: str
+    max_tokens: int
+    done: asyncio.Future[Result]
+    arrived: float
+    lookup: Lookup | None = None
+    lookup_task: asyncio.Task[Lookup] | None = None
+    holds_blocks: bool = False
+    refreshes: int = 0  # lookups redone because the device hit shrank since
+    local_tokens: int = 0  # of the current admission, checked at once
+    first_token: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.request_id
+
+
+class Engine:
+    """Serve requests on the running loop: ``add_request`` / ``generate`` to submit, ``run``
+    to serve until ``stop`` (and the last request finished)."""
+
+    def __init__(self, mgr: AsyncKVManager, model: FakeModel,
+                 limits: SchedulerLimits | None = None) -> None:
+        self.mgr = mgr
+        self.model = model
+        self.limits = limits or SchedulerLimits()
+        self.running: list[EngineRequest] = []
+        self.waiting: deque[EngineRequest] = deque()
+        self.kv_holding: deque[EngineRequest] = deque()  # loaded, holding blocks: go first
+        self.loading: dict[str, EngineRequest] = {}
+        self.stats = EngineStats()
+        self._loras: dict[str, LoRAInfo] = {}
+        self._wake = asyncio.Event()
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._checks: list[tuple[EngineRequest, int, int]] = []
+        self._stopping = False
+        pool = mgr.core.block_pool.num_gpu_blocks - 1
+        self._pool_blocks = pool
+        self._block_sizes = [s.block_size for s in mgr.memory.shapes]
+
+    # ------------------------------------------------------------------ submitting
+    def add_request(self, request_id: str, prompt: Sequence[int], *, tenant: str,
+                    max_tokens: int, cache_salt: str | None = None,
+                    lora: str | None = None) -> asyncio.Future[Result]:
+        """Queue a request; the future resolves when it finished."""
+        self._check_fits(request_id, len(prompt), max_tokens)
+        req = self.mgr.new_request(request_id, prompt, tenant=tenant, cache_salt=cache_salt,
+                                   lora_request=self._lora(lora))
+        self.model.add(request_id, req.all_token_ids, tenant, lora)
+        loop = asyncio.get_running_loop()
+        er = EngineRequest(req, tenant, max_tokens, loop.create_future(), loop.time())
+        self.stats.requests += 1
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        self.waiting.append(er)
+        self._start_lookup(er)
+        self._wake.set()
+        return er.done
+
+    async def generate(self, request_id: str, prompt: Sequence[int], *, tenant: str,
+                       max_tokens: int, cache_salt: str | None = None,
+                       lora: str | None = None) -> Result:
+        return await self.add_request(request_id, prompt, tenant=tenant, max_tokens=max_tokens,
+                                      cache_salt=cache_salt, lora=lora)
+
+    def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len < 1 or max_tokens < 1:
+            raise ValueError(f"{request_id}: a request needs a prompt and max_tokens >= 1")
+        n = prompt_len + max_tokens
+        if n > self.mgr.core.max_model_len:
+            raise ValueError(f"{request_id}: {n} tokens exceed max_model_len "
+                             f"{self.mgr.core.max_model_len}")
+        blocks = sum(math.ceil(n / bs) for bs in self._block_sizes)
+        if blocks > self._pool_blocks:
+            raise ValueError(f"{request_id}: needs {blocks} blocks, the pool has "
+                             f"{self._pool_blocks}: it could never run")
+
+    def _lora(self, name: str | None) -> LoRAInfo | None:
+        if name is None:
+            return None
+        info = self._loras.get(name)
+        if info is None:
+            info = self._loras[name] = LoRAInfo(name, len(self._loras) + 1)
+        return info
+
+    def _start_lookup(self, er: EngineRequest) -> None:
+        """Ask the tiers in the background; the answer is used at admission, however stale
+        (the manager re-checks the local hit and claims from the facts it holds)."""
+        if er.lookup_task is not None and not er.lookup_task.done():
+            er.lookup_task.cancel()
+        er.lookup = None
+        task = asyncio.get_running_loop().create_task(self.mgr.lookup(er.req),
+                                                      name=f"kv-lookup-{er.rid}")
+        task.add_done_callback(lambda _: self._wake.set())
+        er.lookup_task = task
+
+    def _take_lookup(self, er: EngineRequest) -> bool:
+        """True when the request's lookup has answered (a failed lookup counts as none)."""
+        if er.lookup is not None:
+            return True
+        task = er.lookup_task
+        if task is None or not task.done():
+            return False
+        if not task.cancelled() and task.exception() is None:
+            er.lookup = task.result()
+        else:
+            logger.warning("lookup of %s failed; admitting on the local hit", er.rid)
+        er.lookup_task = None
+        return True
+
+    # ------------------------------------------------------------------ serving
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.kv_holding or self.loading)
+
+    def stop(self) -> None:
+        """``run`` returns once every request queued so far has finished."""
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        while not (self._stopping and not self.has_work()):
+            if await self.step():
+                continue
+            if not self._unstick():
+                await self._idle()
+
+    async def _idle(self) -> None:
+        self.stats.idle_waits += 1
+        self._wake.clear()
+        if not self.has_work():
+            await self._wake.wait()
+            return
+        # Held blocks coming back and loads ending need no wake-up call: look again soon.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.limits.idle_poll_s):
+                await self._wake.wait()
+
+    async def step(self) -> bool:
+        """Schedule, execute and book one step; False when nothing could be scheduled."""
+        self.mgr.core.new_step_starts()
+        batch = self.schedule()
+        self.stats.kv_events += len(self.mgr.core.take_events())
+        if not batch:
+            self._run_checks()
+            return False
+        work = [Work(er.rid, er.req.num_computed_tokens, n,
+                     self.mgr.core.get_block_ids(er.rid), self._is_decode(er, n))
+                for er, n in batch]
+        sampled = await self.model.execute(work)
+        self._run_checks()
+        self._update(batch, sampled)
+        return True
+
+    @staticmethod
+    def _is_decode(er: EngineRequest, n: int) -> bool:
+        r = er.req
+        return n == 1 and r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> list[tuple[EngineRequest, int]]:
+        batch: list[tuple[EngineRequest, int]] = []
+        budget, preempted = self._schedule_running(self.limits.max_num_batched_tokens, batch)
+        if not preempted:
+            self._schedule_waiting(budget, batch)
+        self.stats.steps += bool(batch)
+        return batch
+
+    def _chunk(self, er: EngineRequest, budget: int) -> int:
+        n = min(er.req.num_tokens - er.req.num_computed_tokens, budget)
+        thr = self.limits.long_prefill_token_threshold
+        return min(n, thr) if thr else n
+
+    def _schedule_running(self, budget: int, batch: list[tuple[EngineRequest, int]]
+                          ) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            er = self.running[i]
+            n = self._chunk(er, budget)
+            adm = self.mgr.allocate(er.req, num_new_tokens=n)
+            while adm is None and not self.mgr.num_held_blocks:
+                victim = self.running.pop()  # the newest (FCFS): never scheduled yet
+                self._preempt(victim)
+                preempted = True
+                if victim is er:
+                    break
+                adm = self.mgr.allocate(er.req, num_new_tokens=n)
+            if adm is None:
+                break
+            batch.append((er, adm.num_new_tokens))
+            budget -= adm.num_new_tokens
+            i += 1
+        return budget, preempted
+
+    def _preempt(self, er: EngineRequest) -> None:
+        self.mgr.preempt(er.req)
+        er.holds_blocks = False
+        self.stats.preemptions += 1
+        self.waiting.appendleft(er)
+        self._start_lookup(er)
+
+    def _schedule_waiting(self, budget: int, batch: list[tuple[EngineRequest, int]]) -> None:
+        skipped: list[EngineRequest] = []
+        while budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            queue = self.kv_holding or self.waiting
+            if not queue:
+                break
+            er = queue[0]
+            if not er.holds_blocks and not (self._take_lookup(er) and self._fresh(er)):
+                skipped.append(queue.popleft())
+                self.stats.lookup_skips += 1
+                continue
+            adm = self._allocate_waiting(er, budget)
+            if adm is None:
+                break  # no room: admissions end here this step (FCFS)
+            queue.popleft()
+            if adm.loading:
+                self._park(er)
+                continue
+            er.req.status = RequestStatus.RUNNING
+            self.running.append(er)
+            batch.append((er, adm.num_new_tokens))
+            budget -= adm.num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
+
+    def _fresh(self, er: EngineRequest) -> bool:
+        """A tier hit reaches back to where the device hit ended at lookup time; when the
+        device has since evicted some of it the claim would be lost, so look again (twice
+        at most: a pool under pressure may keep shrinking it)."""
+        lk = er.lookup
+        if lk is None or not lk.external_tokens or er.refreshes >= 2:
+            return True
+        _, local, _ = self.mgr.core.get_computed_blocks(er.req)
+        if local >= lk.local_tokens:
+            return True
+        er.refreshes += 1
+        self.stats.lookup_refreshes += 1
+        self._start_lookup(er)
+        return False
+
+    def _allocate_waiting(self, er: EngineRequest, budget: int) -> Admission | None:
+        n = self._chunk(er, budget)
+        if er.holds_blocks:  # resumed after its load: it only grows
+            return self.mgr.allocate(er.req, num_new_tokens=n)
+        adm = self.mgr.allocate(er.req, er.lookup, num_new_tokens=n,
+                                has_scheduled_reqs=bool(self.running))
+        if adm is None:
+            return None
+        er.holds_blocks = True
+        er.lookup = None
+        er.refreshes = 0
+        self.stats.admissions += 1
+        self.stats.device_hit_tokens += adm.local_tokens
+        for tier, tokens in adm.external_by_tier.items():
+            self.stats.tier_hit_tokens[tier] = self.stats.tier_hit_tokens.get(tier, 0) + tokens
+        er.local_tokens = adm.local_tokens
+        self._check(er, 0, adm.local_tokens)
+        return adm
+
+    def _check(self, er: EngineRequest, start: int, end: int) -> None:
+        """Check the hit's bytes once the step in flight has run: as in vLLM, a hit may be
+        on blocks another request computes in the very step that admits it (the core caches
+        a step's blocks when it allocates them; the model writes them before attending)."""
+        if end > start:
+            self._checks.append((er, start, end))
+
+    def _run_checks(self) -> None:
+        checks, self._checks = self._checks, []
+        for er, start, end in checks:
+            if er.holds_blocks:  # a load that kept nothing has given the blocks back
+                self.model.check(er.rid, self.mgr.core.get_block_ids(er.rid), start, end)
+
+    # ------------------------------------------------------------------ loads
+    def _park(self, er: EngineRequest) -> None:
+        """``WAITING_FOR_REMOTE_KVS`` until the load ends; a watcher resumes it."""
+        self.stats.parked += 1
+        self.loading[er.rid] = er
+        task = asyncio.get_running_loop().create_task(self._watch_load(er),
+                                                      name=f"kv-watch-{er.rid}")
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch_load(self, er: EngineRequest) -> None:
+        outcome = await self.mgr.wait_load(er.req)
+        self._load_ended(er, outcome)
+
+    def _load_ended(self, er: EngineRequest, outcome: LoadOutcome) -> None:
+        del self.loading[er.rid]
+        self._wake.set()
+        if outcome.status is LoadStatus.FAILED:
+            self._finish(er, RequestStatus.FINISHED_ERROR)
+            return
+        if outcome.num_computed_tokens:  # the verified prefix is kept: the request holds it
+            self._check(er, er.local_tokens, outcome.num_computed_tokens)
+            self.kv_holding.append(er)
+            return
+        er.holds_blocks = False  # nothing kept: the manager freed its blocks
+        self.waiting.appendleft(er)
+        self._start_lookup(er)
+
+    def _unstick(self) -> bool:
+        """Loaded requests hold blocks while they wait; when nothing runs and nothing will
+        come back, the newest of them gives its blocks back so the oldest can grow."""
+        if (self.running or len(self.kv_holding) < 2 or self.loading
+                or self.mgr.has_pending_work() or self.mgr.num_held_blocks):
+            return False
+        er = self.kv_holding.pop()
+        self.stats.unstuck += 1
+        self._preempt(er)
+        self.stats.preemptions -= 1  # not the running loop's preemption
+        return True
+
+    # ------------------------------------------------------------------ after a step
+    def _update(self, batch: list[tuple[EngineRequest, int]],
+                sampled: list[int | None]) -> None:
+        now = asyncio.get_running_loop().time()
+        for (er, n), token in zip(batch, sampled, strict=True):
+            req = er.req
+            start = req.num_computed_tokens
+            req.num_computed_tokens = start + n
+            self.stats.computed_tokens += n
+            self.stats.computed_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens)
+                                                     - start)
+            if token is not None:
+                req.append_output_token_ids(token)
+                if er.first_token is None:
+                    er.first_token = now
+        self.mgr.after_step([er.req for er, _ in batch])
+        for er, _ in batch:
+            if er.req.num_output_tokens >= er.max_tokens:
+                self.running.remove(er)
+                self._finish(er, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def _finish(self, er: EngineRequest, status: RequestStatus) -> None:
+        req = er.req
+        req.status = status
+        self.mgr.finish(req)  # True: the manager frees the blocks when its stores end
+        er.holds_blocks = False
+        self.model.remove(er.rid)
+        if status is RequestStatus.FINISHED_ERROR:
+            self.stats.failed += 1
+        self.stats.finished += 1
+        now = asyncio.get_running_loop().time()
+        result = Result(er.rid, er.tenant, tuple(req.all_token_ids[:req.num_prompt_tokens]),
+                        tuple(req.all_token_ids[req.num_prompt_tokens:]), status,
+                        req.num_preemptions,
+                        None if er.first_token is None else er.first_token - er.arrived,
+                        now - er.arrived)
+        if not er.done.done():
+            er.done.set_result(result)
+
+    async def aclose(self) -> None:
+        """Stop the background tasks (lookups, load watchers). Requests still queued keep
+        their state; the manager's ``aclose`` releases what its jobs hold."""
+        tasks = [*self._watchers, *(er.lookup_task for er in self._all() if er.lookup_task)]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _all(self) -> list[EngineRequest]:
+        return [*self.running, *self.waiting, *self.kv_holding, *self.loading.values()]
