@@ -59,11 +59,12 @@ def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(disk_mod, "_write_all", slow_write_all)
 
 
-async def test_cancelled_disk_put_still_lands_whole(
+async def test_cancelled_disk_put_lands_whole_or_not_at_all(
     tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     slow_writes(monkeypatch)
     items = make_items(namespace(), 2, nbytes=256 * 1024)
+    late = make_items(namespace(), 1, nbytes=256 * 1024)
     root = os.path.join(tmp_path, "d")
     async with DiskConnector(root, capacity_bytes=8 * MIB) as conn:
         task = asyncio.ensure_future(conn.put(items, timeout=T))
@@ -72,12 +73,16 @@ async def test_cancelled_disk_put_still_lands_whole(
         with pytest.raises(asyncio.CancelledError):
             await task
         with pytest.raises(ConnectorTimeout):  # a deadline is the same story
-            await conn.put(make_items(namespace(), 1, nbytes=256 * 1024), timeout=0.01)
-    # aclose() waited for the detached writes; a fresh connector sees whole objects only.
+            await conn.put(late, timeout=0.01)
+    # aclose() waited for the detached writes. A write already under way when its caller
+    # gave up lands whole; one still queued is dropped (how far each got depends on the
+    # machine's load): a fresh connector sees whole objects or nothing, never a torn one.
     async with DiskConnector(root, capacity_bytes=8 * MIB) as conn:
-        got = await conn.get([k for k, _ in items], timeout=T)
-        assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
-        assert len(conn) == 3 and conn.stats().corrupt_detected == 0
+        both = items + late
+        got = await conn.get([k for k, _ in both], timeout=T)
+        assert all(g is None or same(g, b) for g, (_, b) in zip(got, both, strict=True))
+        assert len(conn) == sum(g is not None for g in got)
+        assert conn.stats().corrupt_detected == 0
         assert not [n for _, _, names in os.walk(root) for n in names if n.endswith(".tmp")]
 
 
