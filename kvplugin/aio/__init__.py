@@ -10,6 +10,7 @@
 * :mod:`kvplugin.aio.jobs` — job runners, deadlines, the loads-first I/O gate
 * :mod:`kvplugin.aio.memory` — paged host KV memory (numpy)
 * :mod:`kvplugin.aio.keys` — block hashes to namespaced connector keys
+* :mod:`kvplugin.aio.tenants` — tenants: scopes, shared prefix groups, quotas, stats
 * :mod:`kvplugin.aio.values` — settings, results and counters
 
 Modules are imported on demand; none from here.

@@ -5,7 +5,9 @@ group and is keyed by the chained hash of its last block, in the namespace of th
 tenant, the model, the group's layout fingerprint and the group index. The chain makes that
 hash depend on every earlier token (and on the cache salt and LoRA, which enter the hash),
 so one key names the whole prefix up to the chunk's end; the hashes are vLLM's own, so
-engines sharing a tier and a hash seed share objects.
+engines sharing a tier and a hash seed share objects. A request scoped to a prefix group
+(:class:`KeyScope`) keys the objects of its shared part in the group's (salted) namespace
+instead (see :mod:`kvplugin.aio.tenants`).
 
 A Mamba group stores no chunks: its state at a token boundary is one object (kind
 ``"mamba_state"``) keyed by the chain hash *at the boundary* (vLLM's ``hash_idx = boundary //
@@ -28,7 +30,32 @@ from dataclasses import dataclass
 from connectors.keys import Namespace, ObjectKey, layout_fingerprint
 from kvplugin.aio.memory import GroupShape, StateShape
 
-__all__ = ["GroupKeying", "KeySpace"]
+__all__ = ["GROUP_NAMESPACE_SALT", "GroupKeying", "KeyScope", "KeySpace"]
+
+# Hashed into a prefix group's namespaces: a tenant that happens to bear a group's name
+# still gets other keys, so no tenant name can reach a group's objects.
+GROUP_NAMESPACE_SALT = b"kvplugin/prefix-group/v1"
+
+
+class KeyScope(str):
+    """A tenant name whose request keys its first ``shared_tokens`` tokens in the prefix
+    group ``group``'s namespace (see :mod:`kvplugin.aio.tenants`).
+
+    A ``str`` subclass equal to the tenant's name, so every place that passes a request's
+    tenant to a :class:`KeySpace` (the store and load sides too) keys it correctly without
+    knowing about groups, and ``scope == "acme"`` still holds.
+    """
+
+    group: str
+    shared_tokens: int
+
+    def __new__(cls, tenant: str, group: str, shared_tokens: int) -> KeyScope:
+        if type(shared_tokens) is not int or shared_tokens < 1:
+            raise ValueError(f"shared_tokens must be a positive int, got {shared_tokens!r}")
+        scope = super().__new__(cls, tenant)
+        scope.group = group
+        scope.shared_tokens = shared_tokens
+        return scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +101,7 @@ class KeySpace:
         self.hash_block_size = hash_block_size
         self.groups = tuple(groups)
         self._namespaces: dict[str, tuple[Namespace, ...]] = {}
+        self._group_namespaces: dict[str, tuple[Namespace, ...]] = {}
         Namespace("probe", model, groups[0].layout)  # a bad model name fails here, not later
 
     @property
@@ -89,6 +117,22 @@ class KeySpace:
             self._namespaces[tenant] = ns
         return ns
 
+    def group_namespaces(self, name: str) -> tuple[Namespace, ...]:
+        """A prefix group's namespace per KV-cache group (cached; a bad name raises)."""
+        ns = self._group_namespaces.get(name)
+        if ns is None:
+            ns = tuple(Namespace(name, self.model, g.layout, g.group, GROUP_NAMESPACE_SALT)
+                       for g in self.groups)
+            self._group_namespaces[name] = ns
+        return ns
+
+    def _namespace(self, tenant: str, group: int, end_token: int) -> Namespace:
+        """Where an object ending at ``end_token`` lives: a scoped request's shared part in
+        its prefix group's namespace, everything else in the tenant's."""
+        if isinstance(tenant, KeyScope) and end_token <= tenant.shared_tokens:
+            return self.group_namespaces(tenant.group)[group]
+        return self.namespaces(tenant)[group]
+
     def chunk_keys(self, tenant: str, group: int, block_hashes: Sequence[bytes],
                    first: int, stop: int) -> list[ObjectKey]:
         """Keys of chunks ``[first, stop)`` of ``group`` for a request's hash list."""
@@ -97,8 +141,9 @@ class KeySpace:
             raise ValueError(f"group {group} stores states, not chunks")
         if stop > g.num_chunks(len(block_hashes)):
             raise ValueError(f"chunk {stop - 1} of group {group} is not complete yet")
-        ns = self.namespaces(tenant)[group]
-        return [ns.key(block_hashes[g.hash_index(c)]) for c in range(first, stop)]
+        ct = g.chunk_tokens
+        return [self._namespace(tenant, group, (c + 1) * ct).key(block_hashes[g.hash_index(c)])
+                for c in range(first, stop)]
 
     def state_key(self, tenant: str, group: int, block_hashes: Sequence[bytes],
                   boundary: int) -> ObjectKey:
@@ -108,7 +153,7 @@ class KeySpace:
         n = boundary // self.hash_block_size
         if boundary <= 0 or boundary % self.hash_block_size or n > len(block_hashes):
             raise ValueError(f"no block hash ends at token {boundary}")
-        return self.namespaces(tenant)[group].key(block_hashes[n - 1], "mamba_state")
+        return self._namespace(tenant, group, boundary).key(block_hashes[n - 1], "mamba_state")
 
 
 def _fingerprint(shape: GroupShape, chunk_blocks: int) -> str:

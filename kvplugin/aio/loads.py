@@ -186,4 +186,10 @@ class Loads:
             else:
                 status = LoadStatus.PARTIAL
             self._settle_load(st, job, status, 0)
+        elif job.abandoned and st.outcome is None:
+            # The request was finished during its load: nothing is applied to it, but
+            # whoever awaits wait_load() must still wake up.
+            st.outcome = LoadOutcome(job.request_id, LoadStatus.CANCELLED,
+                                     job.end - job.start, 0, 0)
+            st.loaded.set()
         self._holds.job_ended(job)

@@ -53,6 +53,7 @@ from kvplugin.aio.memory import GroupShape, HostKVMemory, shape_of_group
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, Stores
+from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
 from kvplugin.aio.values import (
     Admission,
     LoadOutcome,
@@ -68,12 +69,6 @@ from kvplugin.core.request import LoRAInfo, Request, RequestStatus
 __all__ = ["AsyncKVManager", "device_salt"]
 
 logger = logging.getLogger(__name__)
-
-
-def device_salt(tenant: str, cache_salt: str | None = None) -> str:
-    """The core cache salt of a tenant's request: tenant names never contain ``;``
-    (:class:`~connectors.keys.Namespace` checks), so no two (tenant, salt) pairs collide."""
-    return f"tenant={tenant}" if cache_salt is None else f"tenant={tenant};salt={cache_salt}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +115,8 @@ def _layout(core: KVCacheManager, shapes: Sequence[GroupShape], chunk_blocks: in
 class AsyncKVManager:
     def __init__(self, core: KVCacheManager, connector: Connector, config: OffloadConfig, *,
                  memory: HostKVMemory | None = None,
-                 hash_context: HashContext | None = None) -> None:
+                 hash_context: HashContext | None = None,
+                 tenants: TenantPolicy | None = None) -> None:
         if not core.enable_caching:
             raise ValueError("offload needs prefix caching enabled in the core")
         kv_config = core.kv_cache_config
@@ -151,8 +147,11 @@ class AsyncKVManager:
                              f"chunk ({chunk_bytes} bytes): every store would be shed")
         self._gate = IOGate(config.max_io)
         self._requests: dict[str, ReqState] = {}
-        self._jobs: set[LoadJob | StoreJob] = set()
         self._stats = OffloadStats()
+        self.tenants = Tenants(tenants, core=core, keyspace=self.keyspace, layout=self.layout,
+                               memory=memory, hasher=self.hasher, tiers=self.tiers,
+                               config=config, stats=self._stats)
+        self._jobs: set[LoadJob | StoreJob] = self.tenants.jobs
         self._holds = Holds(core)
         self._loads = Loads(core=core, connector=connector, config=config, memory=memory,
                             layout=self.layout, keyspace=self.keyspace, gate=self._gate,
@@ -165,23 +164,33 @@ class AsyncKVManager:
     # ------------------------------------------------------------------ requests
     def new_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str,
                     cache_salt: str | None = None, lora_request: LoRAInfo | None = None,
-                    skip_reading_prefix_cache: bool = False) -> Request:
+                    skip_reading_prefix_cache: bool = False, prefix_group: str | None = None,
+                    shared_prefix_tokens: int | None = None) -> Request:
         """A core request of ``tenant``, hashed with the manager's hasher and salted so no
-        other tenant's prefix can match it."""
+        other tenant's prefix can match it; with ``prefix_group`` (one the deployment
+        declared for the tenant), its first ``shared_prefix_tokens`` are shared with the
+        group's members (see :mod:`kvplugin.aio.tenants`)."""
         self._check_open()
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
-        self.keyspace.namespaces(tenant)  # validates the tenant name
-        req = Request(request_id, prompt_token_ids, block_hasher=self.hasher,
-                      lora_request=lora_request, cache_salt=device_salt(tenant, cache_salt),
+        scope = self.tenants.scope(tenant, cache_salt=cache_salt, prefix_group=prefix_group,
+                                   shared_prefix_tokens=shared_prefix_tokens,
+                                   num_prompt_tokens=len(prompt_token_ids))
+        req = Request(request_id, prompt_token_ids, block_hasher=scope.hasher or self.hasher,
+                      lora_request=lora_request, cache_salt=scope.cache_salt,
                       skip_reading_prefix_cache=skip_reading_prefix_cache)
         groups = self.layout.num_groups
-        self._requests[request_id] = ReqState(req, tenant, [[] for _ in range(groups)],
-                                              [0] * groups)
+        st = ReqState(req, scope.tenant, [[] for _ in range(groups)], [0] * groups)
+        self._requests[request_id] = st
+        self.tenants.opened(st)
         return req
 
     def tenant_of(self, req: Request) -> str:
-        return self._state(req).tenant
+        return str(self._state(req).tenant)
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        """Per-tenant counters, summing to :meth:`stats`' (see :mod:`kvplugin.aio.tenants`)."""
+        return self.tenants.stats()
 
     def _state(self, req: Request) -> ReqState:
         st = self._requests.get(req.request_id)
@@ -337,12 +346,15 @@ class AsyncKVManager:
         n = 0 if loads else self._split(req, claim.local,
                                         step.tokens(req.num_tokens - claim.local))
         req.shared_prefix_boundary = 0 if claim.deep else local.boundary
+        hits = self._claim_blocks(local, claim)
+        reserved = self.tenants.admission_reserve(st, hits, step.reserved, step.has_scheduled)
         blocks = self.core.allocate_slots(
-            req, n, claim.local, self._claim_blocks(local, claim),
+            req, n, claim.local, hits,
             num_lookahead_tokens=0 if loads else step.lookahead,
             num_external_computed_tokens=claim.external, delay_cache_blocks=loads,
-            reserved_blocks=step.reserved, has_scheduled_reqs=step.has_scheduled)
+            reserved_blocks=reserved, has_scheduled_reqs=step.has_scheduled)
         if blocks is None:
+            self.tenants.refused(st, reserved, step.reserved)
             return None
         self._run_copies()
         st.admitted = True
@@ -352,8 +364,10 @@ class AsyncKVManager:
         self.core.record_prefix_cache_stats(req, claim.local)
         self._stores.start_cursor(st, total, lookup)
         by_tier = self._count_hits(claim, lookup)
+        self.tenants.admitted(st, claim.local, by_tier)
         if loads:
             self._loads.start(st, claim)
+            self.tenants.load_started(st)
         return Admission(blocks, n, claim.local, claim.external, loads, by_tier, claim.state_at)
 
     def _claim_blocks(self, local: _Local, claim: Claim) -> KVCacheBlocks:
@@ -415,13 +429,14 @@ class AsyncKVManager:
             for rid, lst in self.core.take_boundary_state_offloads().items()}
         started = 0
         for req in requests:
-            started += self._stores.offer(self._state(req), offers.pop(req.request_id, ()))
+            started += self.tenants.offer(self._state(req), self._stores,
+                                          offers.pop(req.request_id, ()))
         for rid, rest in offers.items():
             st = self._requests.get(rid)
             if st is None:
                 self._stats.states_dropped += len(rest)
             else:
-                started += self._stores.offer(st, rest)
+                started += self.tenants.offer(st, self._stores, rest)
         # The step ran: states cached while scheduling it are on the device now (the
         # Mamba same-step guard), and new attention blocks need no zeroing in host memory.
         self.core.take_new_block_ids()
@@ -439,8 +454,9 @@ class AsyncKVManager:
             tails: list[StateOffer] = []
             if st.admitted and st.load is None:
                 tails = [StateOffer(*t) for t in self.core.finalize_partial_tail_offloads(req)]
-            self._stores.offer(st, (), tails)
+            self.tenants.offer(st, self._stores, (), tails)
         del self._requests[req.request_id]
+        self.tenants.finished(st)
         st.finished = True
         waits: set[LoadJob | StoreJob] = set()
         if st.load is not None:
@@ -475,10 +491,14 @@ class AsyncKVManager:
         if not st.admitted:
             return False
         st.admitted = False
+        self.tenants.releasing(st)
         if not waits:
             self.core.free(st.req)
+            self.tenants.released(st)
             return False
-        self._holds.hold(self.core.pop_blocks_for_free(st.req), waits)
+        blocks = self.core.pop_blocks_for_free(st.req)
+        self._holds.hold(blocks, waits)
+        self.tenants.released(st, blocks, frozenset(waits))
         return True
 
     # ------------------------------------------------------------------ lifecycle
@@ -503,10 +523,11 @@ class AsyncKVManager:
         return self._stats.copy()
 
     async def drain(self) -> None:
-        """Wait until every job started so far (and any they lead to) has ended."""
+        """Wait until every job started so far (and any they lead to) has ended.
+        Cancelling the wait (e.g. a ``wait_for`` timing out) leaves the jobs running."""
         while self._jobs:
             tasks = [j.task for j in list(self._jobs) if j.task is not None]
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks)  # not gather: its cancellation cancels the jobs
 
     async def aclose(self) -> None:
         """Cancel and await every job (their releases run), then close the connector.

@@ -157,6 +157,12 @@ class OffloadStats:
     stored_states: int = 0  # Mamba states written (each with its checkpoint's chunks)
     partial_tails: int = 0  # of those, finish-time partial tails handed over by the core
     states_dropped: int = 0  # state offers dropped: stale, unusable or incomplete
+    # Tenant quotas (kvplugin.aio.tenants): admissions refused over a device in-use quota,
+    # cached blocks evicted over a cached-block quota, objects shed over a tier byte quota
+    # (also counted in stores_shed).
+    quota_refusals: int = 0
+    quota_evictions: int = 0
+    stores_shed_quota: int = 0
 
     def copy(self) -> OffloadStats:
         out = OffloadStats(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -12,7 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.aio.plans",
        "kvplugin.aio.memory", "kvplugin.aio.keys", "kvplugin.aio.values",
-       "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads"]
+       "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
+       "kvplugin.aio.tenants"]
 
 
 def _loaded_after(*modules: str) -> set[str]:
