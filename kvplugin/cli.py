@@ -90,7 +90,7 @@ def summarize(result: dict[str, Any]) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job: the engine with offload on the configured deployment; or the core-only
-    simulation (``--core-only``, ``--save-trace``, layouts the engine cannot offload yet);
+    simulation (``--core-only``, ``--save-trace``, layouts the offload manager rejects);
     or a trace replay (``--trace``)."""
     if args.trace:
         from kvplugin.replay import load_trace, run_trace
@@ -115,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_core(cfg, args, source)
     from kvplugin.engine.build import engine_supports
 
-    reason = engine_supports(cfg.layout)
+    reason = engine_supports(cfg.layout, cfg.model)
     if reason is not None:
         print(f"kvplugin run: {reason}; running the core-only simulation", file=sys.stderr)
         return _run_core(cfg, args, source)

@@ -191,6 +191,36 @@ class EngineConfig(_Strict):
     lag_probe_ms: float = Field(default=5.0, gt=0)  # period of the event-loop lag probe
 
 
+FaultKind = Literal["error", "latency", "drop", "corrupt"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("error", "latency", "drop", "corrupt")
+
+
+class FaultsConfig(_Strict):
+    """Fault drills: every tier wrapped in a seeded ``connectors.faults.FaultInjector``.
+
+    ``rate`` is the share of connector operations that go wrong, split evenly over
+    ``kinds``: ``error`` (a call fails as if the backend were down), ``latency`` (a call
+    first sleeps up to ``latency_ms``; past its deadline that is a timeout), ``drop`` (a
+    write reported stored, never written), ``corrupt`` (an object stored damaged, which
+    its load must catch). Errors and latency roll per call, drops and corruption per
+    object. 0 (the default) injects nothing and wraps nothing.
+    """
+
+    rate: float = Field(default=0.0, ge=0, le=1)
+    kinds: tuple[FaultKind, ...] = FAULT_KINDS
+    seed: int = 0  # tier i's injector is seeded with seed + i: runs repeat exactly
+    latency_ms: float = Field(default=20.0, ge=0)
+
+    @model_validator(mode="after")
+    def _kinds(self) -> FaultsConfig:
+        if not self.kinds or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError("kinds must name each fault kind at most once, and at least one")
+        return self
+
+    def kind_rate(self, kind: FaultKind) -> float:
+        return self.rate / len(self.kinds) if kind in self.kinds else 0.0
+
+
 class KVPluginConfig(_Strict):
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
@@ -198,6 +228,7 @@ class KVPluginConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     offload: OffloadConfigSection = Field(default_factory=OffloadConfigSection)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @model_validator(mode="after")
     def _chunks(self) -> KVPluginConfig:

@@ -30,15 +30,28 @@ def test_embedded_default_loads() -> None:
     assert cfg.engine.prefill_token_ms > 0 and cfg.model.dtype == "float16"
 
 
+# Shipped layouts the offload manager refuses (they run the core-only simulation), with
+# what its reason names; every other shipped config runs on the engine.
+CORE_ONLY = {"llama4_chunked.toml": "chunked_local"}
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs").iterdir()), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path: Path) -> None:
     cfg = load_config(path, env={})
-    # Every shipped layout must build a manager.
+    # Every shipped layout must build a core manager.
     Simulation(cfg.layout.as_trace_config(), Workload(num_requests=1), Limits())
-    if engine_supports(cfg.layout) is None:  # and serve a few requests on the engine
-        small = cfg.workload.model_copy(update={"num_requests": 6})
-        report = run_engine(cfg.model_copy(update={"workload": small}))
-        assert report.ok() and report.finished == 6
+    reason = engine_supports(cfg.layout, cfg.model)
+    if path.name in CORE_ONLY:
+        assert reason is not None and CORE_ONLY[path.name] in reason
+        return
+    assert reason is None
+    # And it serves a few requests on the engine, offload on, every hit checked.
+    small = cfg.workload.model_copy(update={"num_requests": 6})
+    report = run_engine(cfg.model_copy(update={"workload": small}))
+    assert report.ok() and report.finished == 6 and report.failed == 0
+    assert report.extra["tiers"] and report.extra["pages_checked"] > 0
+    if any(g.kind == "mamba" for g in cfg.layout.groups):
+        assert report.extra["states_checked"] > 0
 
 
 def test_unknown_key_is_rejected_with_file_and_path(tmp_path: Path) -> None:
@@ -146,10 +159,21 @@ def test_kvplugin_run_default_and_bad_config(tmp_path: Path) -> None:
     assert "layout.num_blocks" in proc.stderr
 
 
-def test_layouts_the_engine_cannot_offload_yet_run_on_the_core(tmp_path: Path) -> None:
-    proc = _run("--config", str(REPO / "configs" / "hybrid_swa.yaml"), "--requests", "6")
+def test_hybrid_layouts_run_on_the_engine() -> None:
+    proc = _run("--config", str(REPO / "configs" / "hybrid_swa.yaml"), "--requests", "8",
+                "--json")
     assert proc.returncode == 0, proc.stderr
-    assert "running the core-only simulation" in proc.stderr
+    assert "core-only" not in proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["finished"] == 8 and out["kv_mismatches"] == 0 and out["leaked_blocks"] == 0
+    assert set(out["hit_tokens"]) == {"device", "memory", "disk"}
+
+
+def test_layouts_the_manager_rejects_run_on_the_core(tmp_path: Path) -> None:
+    proc = _run("--config", str(REPO / "configs" / "llama4_chunked.toml"), "--requests", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert "the offload manager rejects this layout" in proc.stderr
+    assert "chunked_local" in proc.stderr and "running the core-only simulation" in proc.stderr
     assert "on the allocation core" in proc.stdout
     trace = tmp_path / "t.json"
     proc = _run("--requests", "6", "--save-trace", str(trace))

@@ -7,23 +7,22 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connectors.base import Connector
 from connectors.disk import DiskConnector
+from connectors.faults import FaultInjector, FaultPlan
 from connectors.memory import MemoryConnector
 from connectors.tiered import TieredConnector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import LoadFailurePolicy, OffloadConfig, StoreMode
-from kvplugin.config import GB, KVPluginConfig, LayoutConfig, ModelConfig, OffloadConfigSection
-from kvplugin.core.hashing import HashContext
-from kvplugin.core.manager import KVCacheManager
-from kvplugin.core.specs import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    resolve_kv_cache_block_sizes,
+from kvplugin.config import (
+    GB,
+    FaultsConfig,
+    KVPluginConfig,
+    OffloadConfigSection,
 )
+from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
 
@@ -33,6 +32,8 @@ __all__ = [
     "build_connector",
     "deployment",
     "engine_supports",
+    "fault_plan",
+    "fault_wrapper",
     "kv_cache_config",
     "limits_of",
 ]
@@ -41,42 +42,6 @@ __all__ = [
 TIER_LABELS = {"host": "memory", "disk": "disk", "remote": "redis"}
 
 TierWrapper = Callable[[Connector], Connector]
-
-
-def engine_supports(layout: LayoutConfig) -> str | None:
-    """None when the engine can serve this layout with offload, else the reason."""
-    if not layout.enable_caching:
-        return "offload needs prefix caching (layout.enable_caching)"
-    kinds = sorted({g.kind for g in layout.groups if g.kind != "full"})
-    if kinds:
-        return f"host KV memory for {', '.join(kinds)} groups is not supported yet"
-    return None
-
-
-def kv_cache_config(layout: LayoutConfig, model: ModelConfig) -> KVCacheConfig:
-    groups = []
-    for i, g in enumerate(layout.groups):
-        spec = FullAttentionSpec(block_size=g.block_size or layout.block_size,
-                                 num_kv_heads=model.num_kv_heads, head_size=model.head_size,
-                                 dtype=model.dtype)
-        names = [f"g{i}.layer{j}" for j in range(model.num_layers)]
-        groups.append(KVCacheGroupSpec(names, spec, bool(g.is_eagle_group)))
-    return KVCacheConfig(num_blocks=layout.num_blocks, kv_cache_groups=groups,
-                         prefix_cache_retention_interval=layout.prefix_cache_retention_interval)
-
-
-def build_core(layout: LayoutConfig, model: ModelConfig) -> tuple[KVCacheManager, HashContext]:
-    kv = kv_cache_config(layout, model)
-    sbs, hbs = resolve_kv_cache_block_sizes(kv, layout.block_size,
-                                            prefix_match_unit=layout.prefix_match_unit,
-                                            enable_caching=True, connector_enabled=True)
-    kv.hash_block_size = hbs
-    core = KVCacheManager(kv, max_model_len=layout.max_model_len, scheduler_block_size=sbs,
-                          hash_block_size=hbs, max_in_flight_tokens=layout.max_in_flight_tokens,
-                          use_eagle=layout.use_eagle, log_stats=layout.log_stats,
-                          enable_kv_cache_events=layout.enable_kv_cache_events,
-                          watermark=layout.watermark)
-    return core, HashContext.create(layout.hash_fn, layout.none_hash_seed)
 
 
 def build_connector(off: OffloadConfigSection, disk_root: str | None,
@@ -97,6 +62,33 @@ def build_connector(off: OffloadConfigSection, disk_root: str | None,
     if wrap is not None:
         tiers = [wrap(t) for t in tiers]
     return tiers[0] if len(tiers) == 1 else TieredConnector(tiers)
+
+
+def fault_plan(faults: FaultsConfig) -> FaultPlan:
+    return FaultPlan(error_rate=faults.kind_rate("error"),
+                     latency_rate=faults.kind_rate("latency"), latency=faults.latency_ms / 1000,
+                     drop_write_rate=faults.kind_rate("drop"),
+                     corrupt_write_rate=faults.kind_rate("corrupt"))
+
+
+def fault_wrapper(faults: FaultsConfig, injectors: list[FaultInjector]) -> TierWrapper | None:
+    """Wraps each tier in a FaultInjector (tier i seeded with ``seed + i``, so a drill
+    repeats), appended to ``injectors``; None when the drill is off."""
+    if not faults.rate:
+        return None
+    plan = fault_plan(faults)
+
+    def wrap(tier: Connector) -> Connector:
+        injectors.append(FaultInjector(tier, plan, seed=faults.seed + len(injectors)))
+        return injectors[-1]
+
+    return wrap
+
+
+def _both(inner: TierWrapper | None, outer: TierWrapper | None) -> TierWrapper | None:
+    if inner is None or outer is None:
+        return inner or outer
+    return lambda tier: outer(inner(tier))
 
 
 def offload_config(cfg: KVPluginConfig) -> OffloadConfig:
@@ -126,18 +118,29 @@ class Deployment:
     model: FakeModel
     engine: Engine
     connector: Connector
+    injectors: list[FaultInjector] = field(default_factory=list)  # the faults section's
 
     @property
     def tier_labels(self) -> list[str]:
         return [TIER_LABELS.get(t, t) for t in self.mgr.tiers]
+
+    def faults_injected(self) -> dict[str, int]:
+        """What the fault drill injected so far, summed over the tiers."""
+        out = {"errors": 0, "delays": 0, "dropped": 0, "corrupted": 0}
+        for inj in self.injectors:
+            for k in out:
+                out[k] += getattr(inj.injected, k)
+        return out
 
 
 @contextlib.asynccontextmanager
 async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None
                      ) -> AsyncIterator[Deployment]:
     """The engine and everything under it; on exit the manager is closed (its jobs
-    cancelled and awaited, the tiers closed) and a temporary disk directory removed."""
-    reason = engine_supports(cfg.layout)
+    cancelled and awaited, the tiers closed) and a temporary disk directory removed.
+    With a ``faults`` drill each tier is wrapped in its injector first, then in
+    ``wrap_tiers``."""
+    reason = engine_supports(cfg.layout, cfg.model)
     if reason is not None:
         raise ValueError(reason)
     tmp = None
@@ -146,7 +149,9 @@ async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = No
         tmp = disk_root = tempfile.mkdtemp(prefix="kvplugin-disk-")
     try:
         core, ctx = build_core(cfg.layout, cfg.model)
-        connector = build_connector(cfg.offload, disk_root, wrap_tiers)
+        injectors: list[FaultInjector] = []
+        wrap = _both(fault_wrapper(cfg.faults, injectors), wrap_tiers)
+        connector = build_connector(cfg.offload, disk_root, wrap)
         try:
             mgr = AsyncKVManager(core, connector, offload_config(cfg), hash_context=ctx)
         except BaseException:
@@ -159,7 +164,7 @@ async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = No
                               cfg.workload.vocab)
             engine = Engine(mgr, model, limits_of(cfg))
             try:
-                yield Deployment(mgr, model, engine, connector)
+                yield Deployment(mgr, model, engine, connector, injectors)
             finally:
                 await engine.aclose()
         finally:

@@ -8,6 +8,15 @@ device hit, or bytes loaded from a tier) can be checked against what computing i
 written: a difference is a ``kv_mismatch``, and one that equals another tenant's KV for the
 same tokens is a ``cross_tenant_hit`` as well.
 
+Hybrid layouts: a sliding-window group writes KV pages like a full one, but the blocks that
+left the window are the core's null block, never written and never checked (a null block
+*inside* the window a request resumes with is a mismatch: its KV is missing). A Mamba group
+holds one recurrent state per request: a chunk ending at token ``n`` writes the state
+``f(seed, tokens[:n])`` into the table slot of ``n`` (slot ``ceil(n / block_size) - 1``), and
+every chunk first reads the state it resumes from and checks it, so a state that came from a
+device hit, a loaded checkpoint or a restored lagging state is compared with recomputation
+exactly when the model would use it.
+
 A step awaits ``asyncio.sleep`` for its simulated cost, the way an engine awaits the GPU: the
 event loop, and so every load and store in flight, keeps running meanwhile.
 """
@@ -23,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplugin.aio.memory import HostKVMemory, PageShape
+from kvplugin.aio.memory import HostKVMemory, PageShape, StateShape
 
 __all__ = ["CheckResult", "FakeModel", "StepCosts", "Work", "kv_seed"]
 
@@ -95,24 +104,33 @@ class FakeModel:
         self.vocab = vocab
         self._seqs: dict[str, _Seq] = {}
         self._tenants: dict[bytes, str] = {}  # seed -> tenant, of every request seen
-        # Per group, one byte per (K/V, layer) mixed into the token's bytes, so a copy that
-        # swaps layers or groups cannot pass the check.
+        # Per group, one byte per (K/V, layer) of a page, or per layer of a state, mixed
+        # into the bytes, so a copy that swaps layers or groups cannot pass the check.
         self._mix = [self._mixer(g) for g in range(memory.num_groups)]
         self.steps = 0
         self.computed_tokens = 0
         self.busy_s = 0.0
         self.pages_checked = 0
-        self.kv_mismatches = 0
+        self.states_checked = 0
+        self.state_mismatches = 0
+        self.kv_mismatches = 0  # pages and states
         self.cross_tenant_hits = 0
 
     def _shape(self, group: int) -> PageShape:
         shape = self.memory.shapes[group]
         if not isinstance(shape, PageShape):
-            raise TypeError(f"group {group}: the fake model writes attention pages only")
+            raise TypeError(f"group {group} holds states, not attention pages")
         return shape
 
+    def _is_state(self, group: int) -> bool:
+        return isinstance(self.memory.shapes[group], StateShape)
+
     def _mixer(self, group: int) -> Pages:
-        layers = self._shape(group).num_layers
+        shape = self.memory.shapes[group]
+        if isinstance(shape, StateShape):  # (layer, 1, byte): broadcast over a state page
+            layer = np.arange(shape.num_layers, dtype=np.int64)
+            return ((layer + group * 131) * 37 + 3).astype(np.uint8)[:, None, None]
+        layers = shape.num_layers
         codes = np.arange(2 * layers, dtype=np.int64).reshape(2, layers)
         return ((codes + group * 131) * 37 + 1).astype(np.uint8)[:, :, None, None, None]
 
@@ -153,16 +171,34 @@ class FakeModel:
                              f"{len(seq.tokens)}")
         digests = seq.upto(end)
         for g, ids in enumerate(w.block_ids):
-            bs = self._shape(g).block_size
-            kv = self._tokens_kv(g, digests[w.start:end])  # one array for the whole chunk
-            for b in range(w.start // bs, math.ceil(end / bs)):
-                lo, hi = max(w.start, b * bs), min(end, (b + 1) * bs)
-                slots = self._slots(g, ids[b])
-                slots[:, :, lo - b * bs:hi - b * bs, :] = kv[:, :, lo - w.start:hi - w.start]
+            if self._is_state(g):
+                self._advance_state(g, seq, ids, w.start, end)
+            else:
+                self._write_pages(g, ids, digests, w.start, end)
         self.computed_tokens += w.num_tokens
         if end < len(seq.tokens):
             return None
         return int.from_bytes(digests[end - 1][:4], "little") % self.vocab
+
+    def _write_pages(self, group: int, ids: list[int], digests: list[bytes], start: int,
+                     end: int) -> None:
+        bs = self._shape(group).block_size
+        kv = self._tokens_kv(group, digests[start:end])  # one array for the whole chunk
+        for b in range(start // bs, math.ceil(end / bs)):
+            lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
+            # A block a step writes is never null, not even in a window group: the core
+            # frees blocks only once they left the window of the next token to compute.
+            slots = self._slots(group, ids[b])
+            slots[:, :, lo - b * bs:hi - b * bs, :] = kv[:, :, lo - start:hi - start]
+
+    def _advance_state(self, group: int, seq: _Seq, ids: list[int], start: int,
+                       end: int) -> None:
+        """Read (and check) the state the chunk resumes from, write the state at its end."""
+        bs = self.memory.shapes[group].block_size
+        if start:
+            self.check_state(seq, group, ids, start)
+        row = self.memory.pages(group, [ids[-(end // -bs) - 1]])[0]
+        row[:] = self._state(group, seq.upto(end)[end - 1]).reshape(-1)
 
     def _slots(self, group: int, block_id: int) -> Pages:
         """The page of ``block_id`` as (K/V, layer, token slot, bytes per slot): a view."""
@@ -182,21 +218,45 @@ class FakeModel:
         out: Pages = full.reshape(2, shape.num_layers, n, reps * _DIGEST)[..., :width]
         return out
 
+    def _state(self, group: int, digest: bytes) -> Pages:
+        """The state page after the tokens ``digest`` covers: (layer, bytes), the digest
+        xor'ed with the layer's byte, repeated across the layer's bytes."""
+        shape = self.memory.shapes[group]
+        assert isinstance(shape, StateShape)
+        reps = -(-shape.layer_bytes // _DIGEST)
+        raw = np.frombuffer(digest, dtype=np.uint8).reshape(1, 1, _DIGEST) ^ self._mix[group]
+        full = np.broadcast_to(raw, (shape.num_layers, reps, _DIGEST))
+        out: Pages = full.reshape(shape.num_layers, reps * _DIGEST)[:, :shape.layer_bytes]
+        return out
+
     # ------------------------------------------------------------------ checks
     def check(self, request_id: str, block_ids: tuple[list[int], ...], start: int,
               end: int) -> CheckResult:
-        """Compare the request's full blocks covering tokens ``[start, end)`` with what
-        computing them writes; count (and remember) mismatches and cross-tenant bytes."""
+        """Compare the request's full attention blocks covering tokens ``[start, end)``
+        with what computing them writes; count (and remember) mismatches and cross-tenant
+        bytes. A window group's null blocks before the window of token ``end`` are skipped;
+        state groups are checked when a step reads them (:meth:`check_state`)."""
         seq = self._seqs[request_id]
         pages = bad = cross = 0
         for g, ids in enumerate(block_ids):
-            bs = self._shape(g).block_size
+            if self._is_state(g):
+                continue
+            shape = self._shape(g)
+            bs = shape.block_size
             first, stop = start // bs, end // bs
             if stop <= first:
                 continue
+            # Token `end` attends to [end - window + 1, end]: blocks wholly before that
+            # may be null; every later one must hold its KV.
+            needed = (end - shape.window + 1) // bs if shape.window else 0
             want = self._tokens_kv(g, seq.upto(stop * bs)[first * bs:])
             for b in range(first, stop):
+                if ids[b] == 0 and b < needed:
+                    continue
                 pages += 1
+                if ids[b] == 0:
+                    bad += 1  # KV the next token attends to is missing
+                    continue
                 got = self._slots(g, ids[b])
                 if np.array_equal(got, want[:, :, (b - first) * bs:(b - first + 1) * bs]):
                     continue
@@ -208,17 +268,42 @@ class FakeModel:
         self.cross_tenant_hits += cross
         return CheckResult(pages, bad, cross)
 
+    def check_state(self, seq: _Seq, group: int, ids: list[int], boundary: int) -> bool:
+        """Compare the state a request resumes from at ``boundary`` with recomputation;
+        count a mismatch (and a cross-tenant hit when it is another tenant's state)."""
+        slot = -(boundary // -self.memory.shapes[group].block_size) - 1
+        block = ids[slot] if slot < len(ids) else 0
+        self.states_checked += 1
+        got = self.memory.pages(group, [block])[0] if block else None  # null: no state
+        if got is not None and np.array_equal(
+                got, self._state(group, seq.upto(boundary)[boundary - 1]).reshape(-1)):
+            return True
+        self.state_mismatches += 1
+        self.kv_mismatches += 1
+        if got is not None and self._state_of_another(group, seq, boundary, got):
+            self.cross_tenant_hits += 1
+        return False
+
     def _page(self, group: int, digests: Sequence[bytes], block: int) -> Pages:
         bs = self._shape(group).block_size
         return self._tokens_kv(group, digests[block * bs:(block + 1) * bs])
 
+    def _others(self, seq: _Seq, n: int) -> list[list[bytes]]:
+        """The digests of ``seq``'s first ``n`` tokens for every other tenant seen (the same
+        tenant's other adapter is a mismatch, not a leak)."""
+        out = []
+        for seed, tenant in self._tenants.items():
+            if tenant != seq.tenant:
+                other: list[bytes] = []
+                _chain(seed, seq.tokens[:n], other)
+                out.append(other)
+        return out
+
     def _written_by_another(self, group: int, seq: _Seq, block: int, got: Pages) -> bool:
         bs = self._shape(group).block_size
-        for seed, tenant in self._tenants.items():
-            if tenant == seq.tenant:
-                continue  # the same tenant's other adapter: a mismatch, not a leak
-            other: list[bytes] = []
-            _chain(seed, seq.tokens[:(block + 1) * bs], other)
-            if np.array_equal(got, self._page(group, other, block)):
-                return True
-        return False
+        return any(np.array_equal(got, self._page(group, other, block))
+                   for other in self._others(seq, (block + 1) * bs))
+
+    def _state_of_another(self, group: int, seq: _Seq, boundary: int, got: Pages) -> bool:
+        return any(np.array_equal(got, self._state(group, other[boundary - 1]).reshape(-1))
+                   for other in self._others(seq, boundary))

@@ -56,6 +56,17 @@ class RunReport:
         return (self.finished == self.requests and not self.kv_mismatches
                 and not self.cross_tenant_hits and not self.leaked_blocks)
 
+    def _state_rows(self) -> list[tuple[str, str]]:
+        """Mamba layouts only: the boundary states stored, loaded and checked."""
+        x = self.extra
+        if not (x.get("states_checked") or x.get("stored_states")):
+            return []
+        return [("Mamba states", f"{x.get('stored_states', 0)} stored, "
+                                 f"{x.get('loaded_states', 0)} loaded "
+                                 f"({x.get('restored_partial_states', 0)} inside a block), "
+                                 f"{x.get('states_checked', 0)} checked, "
+                                 f"{x.get('state_mismatches', 0)} wrong")]
+
     def table(self) -> str:
         x = self.extra
         hits = ", ".join(f"{k} {v}" for k, v in self.hit_tokens.items())
@@ -73,6 +84,7 @@ class RunReport:
                        f"{x.get('stores_failed', 0)} failed)"),
             ("KV checks", f"{x.get('pages_checked', 0)} pages, {self.kv_mismatches} mismatches, "
                           f"{self.cross_tenant_hits} cross-tenant"),
+            *self._state_rows(),
             ("leaked blocks", str(self.leaked_blocks)),
             ("latency", f"TTFT p50 {x.get('ttft_p50_ms', 0)} ms, p99 "
                         f"{x.get('ttft_p99_ms', 0)} ms; loop lag p99 "

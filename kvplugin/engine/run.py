@@ -18,7 +18,7 @@ from kvplugin.engine.report import RunReport, percentile
 from kvplugin.engine.scheduler import Engine, Result
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate, kinds
 
-__all__ = ["drive", "run_engine", "serve"]
+__all__ = ["drive", "max_prompt_len", "report", "run_engine", "serve"]
 
 
 async def drive(engine: Engine, specs: Sequence[RequestSpec]) -> dict[str, Result]:
@@ -64,19 +64,19 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     try:
         async with deployment(cfg, wrap_tiers=wrap_tiers) as dep:
             if specs is None:
-                specs = generate(cfg.workload, max_prompt_len=_max_prompt_len(dep, cfg))
+                specs = generate(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg))
             results = await drive(dep.engine, specs)
             await dep.mgr.drain()
         wall = time.perf_counter() - t0
     finally:
         await probe.stop()
-    report = _report(dep, results, wall, probe)
-    report.extra["workload"] = kinds(specs)
-    report.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    return report
+    out = report(dep, results, wall, probe)
+    out.extra["workload"] = kinds(specs)
+    out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    return out
 
 
-def _max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
+def max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
     """Long enough for the workload, short enough that any request fits the pool and the
     model with its answer (the engine refuses requests that could never run)."""
     pool_tokens = (dep.mgr.core.block_pool.num_gpu_blocks - 1) * cfg.layout.block_size
@@ -85,8 +85,10 @@ def _max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
     return max(2, cap - cfg.workload.output_len[1])
 
 
-def _report(dep: Deployment, results: dict[str, Result], wall: float,
-            probe: LagProbe) -> RunReport:
+def report(dep: Deployment, results: dict[str, Result], wall: float,
+           probe: LagProbe | None = None) -> RunReport:
+    """The report of a deployment that has served ``results`` (count leaks after its
+    manager closed)."""
     es, model = dep.engine.stats, dep.model
     ms = dep.mgr.stats()
     pool = dep.mgr.core.block_pool
@@ -94,7 +96,7 @@ def _report(dep: Deployment, results: dict[str, Result], wall: float,
     for tier, label in zip(dep.mgr.tiers, dep.tier_labels, strict=True):
         hits[label] = hits.get(label, 0) + es.tier_hit_tokens.get(tier, 0)
     ttft = [r.ttft_s * 1000 for r in results.values() if r.ttft_s is not None]
-    report = RunReport(
+    out = RunReport(
         requests=es.requests, finished=es.finished, failed=es.failed,
         prompt_tokens=es.prompt_tokens, computed_prompt_tokens=es.computed_prompt_tokens,
         hit_tokens=hits, loads=ms.loads, load_failures=ms.loads_failed + ms.loads_cancelled,
@@ -102,19 +104,23 @@ def _report(dep: Deployment, results: dict[str, Result], wall: float,
         kv_mismatches=model.kv_mismatches, cross_tenant_hits=model.cross_tenant_hits,
         leaked_blocks=(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         + dep.mgr.num_pending_jobs,
-        loop_lag_p99_ms=probe.percentile(99) * 1000, wall_s=wall)
-    report.extra.update(
+        loop_lag_p99_ms=probe.percentile(99) * 1000 if probe else 0.0, wall_s=wall)
+    out.extra.update(
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
         lookup_refreshes=es.lookup_refreshes,
         lookups=ms.lookups, lookup_timeouts=ms.lookup_timeouts, loaded_chunks=ms.loaded_chunks,
         recomputed_tokens=ms.recomputed_tokens, store_jobs=ms.stores,
         stores_failed=ms.stores_failed, stores_deduplicated=ms.stores_deduplicated,
-        pages_checked=model.pages_checked, computed_tokens=es.computed_tokens,
+        pages_checked=model.pages_checked, states_checked=model.states_checked,
+        state_mismatches=model.state_mismatches, loaded_states=ms.loaded_states,
+        stored_states=ms.stored_states, partial_tails=ms.partial_tails,
+        restored_states=es.restored_states, restored_partial_states=es.restored_partial_states,
+        states_dropped=ms.states_dropped, computed_tokens=es.computed_tokens,
         simulated_compute_s=round(model.busy_s, 3),
         ttft_p50_ms=round(percentile(ttft, 50), 2), ttft_p99_ms=round(percentile(ttft, 99), 2),
         pool_blocks=pool.num_gpu_blocks - 1)
-    return report
+    return out
 
 
 def run_engine(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None) -> RunReport:

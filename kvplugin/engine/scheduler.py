@@ -23,7 +23,9 @@ finishes). What ``schedule`` does, after vLLM's ``Scheduler.schedule``:
 
 Finishing hands the request to the manager, whose delayed free keeps blocks that stores
 still read. Every device hit and every loaded block is checked against the model's
-recomputation (``FakeModel.check``).
+recomputation (``FakeModel.check``) where the request resumes: a loading admission's device
+hit with its load, since a window group keeps only what the resume point's window needs;
+a Mamba state is checked by the model when a step resumes from it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class EngineStats:
     device_hit_tokens: int = 0
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     kv_events: int = 0
+    restored_states: int = 0  # Mamba states a request resumed from after a load
+    restored_partial_states: int = 0  # of those, at a boundary inside a Mamba block
 
 
 @dataclass(eq=False, slots=True)
@@ -105,7 +109,6 @@ class EngineRequest:
     lookup_task: asyncio.Task[Lookup] | None = None
     holds_blocks: bool = False
     refreshes: int = 0  # lookups redone because the device hit shrank since
-    local_tokens: int = 0  # of the current admission, checked at once
     first_token: float | None = None
 
     @property
@@ -135,6 +138,8 @@ class Engine:
         pool = mgr.core.block_pool.num_gpu_blocks - 1
         self._pool_blocks = pool
         self._block_sizes = [s.block_size for s in mgr.memory.shapes]
+        self._state_block_sizes = [s.block_size for s in mgr.memory.shapes
+                                   if s.kind == "state"]
 
     # ------------------------------------------------------------------ submitting
     def add_request(self, request_id: str, prompt: Sequence[int], *, tenant: str,
@@ -215,6 +220,7 @@ class Engine:
         self._wake.set()
 
     async def run(self) -> None:
+        self._stopping = False  # a stop ended the previous run; this one serves anew
         while not (self._stopping and not self.has_work()):
             if await self.step():
                 continue
@@ -350,8 +356,8 @@ class Engine:
         self.stats.device_hit_tokens += adm.local_tokens
         for tier, tokens in adm.external_by_tier.items():
             self.stats.tier_hit_tokens[tier] = self.stats.tier_hit_tokens.get(tier, 0) + tokens
-        er.local_tokens = adm.local_tokens
-        self._check(er, 0, adm.local_tokens)
+        if not adm.loading:
+            self._check(er, 0, adm.local_tokens)
         return adm
 
     def _check(self, er: EngineRequest, start: int, end: int) -> None:
@@ -387,13 +393,23 @@ class Engine:
         if outcome.status is LoadStatus.FAILED:
             self._finish(er, RequestStatus.FINISHED_ERROR)
             return
+        self._count_restored(outcome)
         if outcome.num_computed_tokens:  # the verified prefix is kept: the request holds it
-            self._check(er, er.local_tokens, outcome.num_computed_tokens)
+            # The device hit is checked with what was loaded, where the request resumes: a
+            # window group keeps only the blocks the resume point's window needs.
+            self._check(er, 0, outcome.num_computed_tokens)
             self.kv_holding.append(er)
             return
         er.holds_blocks = False  # nothing kept: the manager freed its blocks
         self.waiting.appendleft(er)
         self._start_lookup(er)
+
+    def _count_restored(self, outcome: LoadOutcome) -> None:
+        if outcome.state_boundary is None:
+            return
+        self.stats.restored_states += 1
+        if any(outcome.state_boundary % bs for bs in self._state_block_sizes):
+            self.stats.restored_partial_states += 1
 
     def _unstick(self) -> bool:
         """Loaded requests hold blocks while they wait; when nothing runs and nothing will
