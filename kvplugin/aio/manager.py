@@ -526,8 +526,7 @@ class AsyncKVManager:
         """Wait until every job started so far (and any they lead to) has ended.
         Cancelling the wait (e.g. a ``wait_for`` timing out) leaves the jobs running."""
         while self._jobs:
-            tasks = [j.task for j in list(self._jobs) if j.task is not None]
-            await asyncio.wait(tasks)  # not gather: its cancellation cancels the jobs
+            await self._wait_jobs()
 
     async def aclose(self) -> None:
         """Cancel and await every job (their releases run), then close the connector.
@@ -535,13 +534,28 @@ class AsyncKVManager:
         if self._closed:
             return
         self._closed = True
-        while self._jobs:
-            tasks = [j.task for j in list(self._jobs) if j.task is not None]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if self.config.close_connector:
-            await self.connector.aclose()
+        try:
+            while self._jobs:
+                for job in list(self._jobs):
+                    if job.task is not None:
+                        job.task.cancel()
+                await self._wait_jobs()
+        finally:
+            if self.config.close_connector:
+                await self.connector.aclose()
+
+    async def _wait_jobs(self) -> None:
+        """Wait for the running jobs' tasks (not gather: cancelling this wait must not
+        cancel them). A job still registered after its task ended is a bookkeeping bug:
+        raise instead of spinning, since a loop that never yields lets no deadline fire."""
+        running = [j.task for j in self._jobs if j.task is not None and not j.task.done()]
+        if running:
+            await asyncio.wait(running)
+            return
+        await asyncio.sleep(0)  # a done callback that releases them may still be queued
+        if self._jobs and all(j.task is None or j.task.done() for j in self._jobs):
+            raise RuntimeError(f"{len(self._jobs)} offload job(s) ended but were never "
+                               "released; their pins and budget are lost")
 
     async def __aenter__(self) -> AsyncKVManager:
         return self

@@ -266,3 +266,21 @@ async def test_gate_slot_granted_then_cancelled_is_passed_on() -> None:
     w1.cancel()  # ... which is cancelled before it runs
     await asyncio.gather(w1, w2, return_exceptions=True)
     assert ran == ["w2"] and gate.in_use == 0
+
+
+@pytest.mark.asyncio
+async def test_a_job_never_released_makes_drain_and_aclose_raise_not_spin() -> None:
+    """A job left registered after its task ended (a bookkeeping bug) must not turn drain()
+    or aclose() into a loop that never yields: no deadline could fire. They raise."""
+    mgr, _, _ = await _setup()
+    b = mgr.new_request("b", PROMPT, tenant="acme")
+    found = await mgr.lookup(b)
+    mgr.allocate(b, found)
+    (job,) = list(mgr._jobs)
+    await mgr.wait_load(b)
+    mgr._jobs.add(job)  # the bug: an ended job still registered
+    async with asyncio.timeout(2):
+        with pytest.raises(RuntimeError, match="never released"):
+            await mgr.drain()
+        with pytest.raises(RuntimeError, match="never released"):
+            await mgr.aclose()
