@@ -10,47 +10,26 @@ from __future__ import annotations
 
 import asyncio
 
-from connectors.base import Connector
 from connectors.keys import ObjectKey
 from kvplugin.aio import plans
-from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, StoreJob, run_load
+from kvplugin.aio.jobs import JobEnd, LoadJob, run_load
 from kvplugin.aio.jobs import start as start_job
-from kvplugin.aio.keys import KeySpace
-from kvplugin.aio.memory import HostKVMemory
 from kvplugin.aio.plans import Claim
 from kvplugin.aio.reqstate import ReqState
-from kvplugin.aio.stores import Holds
+from kvplugin.aio.stores import JobSide
 from kvplugin.aio.values import (
     LoadFailurePolicy,
     LoadOutcome,
     LoadStatus,
-    OffloadConfig,
-    OffloadStats,
 )
-from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import RequestStatus
 from kvplugin.serde import Block
 
 __all__ = ["Loads"]
 
 
-class Loads:
+class Loads(JobSide):
     """Load jobs of one manager; a request's job is ``ReqState.load``."""
-
-    def __init__(self, *, core: KVCacheManager, connector: Connector, config: OffloadConfig,
-                 memory: HostKVMemory, layout: plans.Layout, keyspace: KeySpace,
-                 gate: IOGate, stats: OffloadStats, jobs: set[LoadJob | StoreJob],
-                 holds: Holds) -> None:
-        self._core = core
-        self._connector = connector
-        self._config = config
-        self._memory = memory
-        self._layout = layout
-        self._keyspace = keyspace
-        self._gate = gate
-        self._stats = stats
-        self._jobs = jobs
-        self._holds = holds
 
     def start(self, st: ReqState, claim: Claim) -> None:
         req = st.req

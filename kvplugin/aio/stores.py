@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from connectors.base import Connector, PutItem
 from connectors.keys import ObjectKey
@@ -75,8 +76,9 @@ class _Candidate:
     tail: bool = False
 
 
-class Stores:
-    """Offers, the in-flight byte budget and the store jobs of one manager."""
+class JobSide:
+    """What the load side and the store side of one manager share: the core, the
+    connector, the host memory, the I/O gate and the manager's job and hold bookkeeping."""
 
     def __init__(self, *, core: KVCacheManager, connector: Connector, config: OffloadConfig,
                  memory: HostKVMemory, layout: plans.Layout, keyspace: KeySpace,
@@ -91,9 +93,16 @@ class Stores:
         self._stats = stats
         self._jobs = jobs
         self._holds = holds
+
+
+class Stores(JobSide):
+    """Offers, the in-flight byte budget and the store jobs of one manager."""
+
+    def __init__(self, **wiring: Any) -> None:
+        super().__init__(**wiring)
         self._storing: set[str] = set()  # key ids of objects being stored
         self._bytes = 0
-        self._hbs = keyspace.hash_block_size
+        self._hbs = self._keyspace.hash_block_size
 
     @property
     def bytes_in_flight(self) -> int:
