@@ -6,7 +6,7 @@ sides:
 * Redis — raw: ``redis.asyncio`` ``SET``/``GET`` of the payload bytes through a
   ``BlockingConnectionPool`` of the same size, at the same concurrency, against the same
   self-started ``redis-server``. Connector: ``RedisConnector.put``/``get`` (encode with
-  both checksums, ``SET NX``; ``MGET``, verify, zero-copy decode).
+  both checksums, ``SET NX``; one pipelined ``GET`` per key, verify, zero-copy decode).
 * Disk — raw: temp file write + rename, and a whole-file read into a pooled buffer (the
   connector's threaded read path), one job per object on a thread pool of the same size, with the
   same fsync policy. Connector: ``DiskConnector.put``/``get`` (the same I/O plus encoding,

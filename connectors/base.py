@@ -369,7 +369,9 @@ class Connector(abc.ABC):
 
         Each object is written atomically, so a failed or cancelled batch leaves some
         objects fully stored and the rest absent. The payloads must stay unchanged until
-        the call returns (a change after that is caught by the checksum on load).
+        the call returns; once it has returned, by any path (done, deadline, cancellation,
+        error), no later change to them can reach storage as a valid object (an object
+        whose write was under way lands with the bytes of the call, or not at all).
         """
 
     @abc.abstractmethod
