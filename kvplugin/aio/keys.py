@@ -37,25 +37,23 @@ __all__ = ["GROUP_NAMESPACE_SALT", "GroupKeying", "KeyScope", "KeySpace"]
 GROUP_NAMESPACE_SALT = b"kvplugin/prefix-group/v1"
 
 
-class KeyScope(str):
-    """A tenant name whose request keys its first ``shared_tokens`` tokens in the prefix
-    group ``group``'s namespace (see :mod:`kvplugin.aio.tenants`).
-
-    A ``str`` subclass equal to the tenant's name, so every place that passes a request's
-    tenant to a :class:`KeySpace` (the store and load sides too) keys it correctly without
-    knowing about groups, and ``scope == "acme"`` still holds.
+@dataclass(frozen=True, slots=True)
+class KeyScope:
+    """Whose namespace a request's objects are keyed in: the tenant's, except the first
+    ``shared_tokens`` tokens of a request in the prefix group ``group``, keyed in the group's
+    (see :mod:`kvplugin.aio.tenants`). A plain tenant name is the scope of a private request.
     """
 
-    group: str
-    shared_tokens: int
+    tenant: str
+    group: str | None = None
+    shared_tokens: int = 0
 
-    def __new__(cls, tenant: str, group: str, shared_tokens: int) -> KeyScope:
-        if type(shared_tokens) is not int or shared_tokens < 1:
-            raise ValueError(f"shared_tokens must be a positive int, got {shared_tokens!r}")
-        scope = super().__new__(cls, tenant)
-        scope.group = group
-        scope.shared_tokens = shared_tokens
-        return scope
+    def __post_init__(self) -> None:
+        if self.group is None:
+            if self.shared_tokens:
+                raise ValueError("shared_tokens needs a prefix group")
+        elif type(self.shared_tokens) is not int or self.shared_tokens < 1:
+            raise ValueError(f"shared_tokens must be a positive int, got {self.shared_tokens!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,14 +124,16 @@ class KeySpace:
             self._group_namespaces[name] = ns
         return ns
 
-    def _namespace(self, tenant: str, group: int, end_token: int) -> Namespace:
+    def _namespace(self, scope: str | KeyScope, group: int, end_token: int) -> Namespace:
         """Where an object ending at ``end_token`` lives: a scoped request's shared part in
         its prefix group's namespace, everything else in the tenant's."""
-        if isinstance(tenant, KeyScope) and end_token <= tenant.shared_tokens:
-            return self.group_namespaces(tenant.group)[group]
-        return self.namespaces(tenant)[group]
+        if isinstance(scope, str):
+            return self.namespaces(scope)[group]
+        if scope.group is not None and end_token <= scope.shared_tokens:
+            return self.group_namespaces(scope.group)[group]
+        return self.namespaces(scope.tenant)[group]
 
-    def chunk_keys(self, tenant: str, group: int, block_hashes: Sequence[bytes],
+    def chunk_keys(self, scope: str | KeyScope, group: int, block_hashes: Sequence[bytes],
                    first: int, stop: int) -> list[ObjectKey]:
         """Keys of chunks ``[first, stop)`` of ``group`` for a request's hash list."""
         g = self.groups[group]
@@ -142,10 +142,10 @@ class KeySpace:
         if stop > g.num_chunks(len(block_hashes)):
             raise ValueError(f"chunk {stop - 1} of group {group} is not complete yet")
         ct = g.chunk_tokens
-        return [self._namespace(tenant, group, (c + 1) * ct).key(block_hashes[g.hash_index(c)])
+        return [self._namespace(scope, group, (c + 1) * ct).key(block_hashes[g.hash_index(c)])
                 for c in range(first, stop)]
 
-    def state_key(self, tenant: str, group: int, block_hashes: Sequence[bytes],
+    def state_key(self, scope: str | KeyScope, group: int, block_hashes: Sequence[bytes],
                   boundary: int) -> ObjectKey:
         """The key of ``group``'s state at ``boundary`` tokens of a request's hash list."""
         if self.groups[group].kind != "state":
@@ -153,7 +153,7 @@ class KeySpace:
         n = boundary // self.hash_block_size
         if boundary <= 0 or boundary % self.hash_block_size or n > len(block_hashes):
             raise ValueError(f"no block hash ends at token {boundary}")
-        return self._namespace(tenant, group, boundary).key(block_hashes[n - 1], "mamba_state")
+        return self._namespace(scope, group, boundary).key(block_hashes[n - 1], "mamba_state")
 
 
 def _fingerprint(shape: GroupShape, chunk_blocks: int) -> str:

@@ -38,7 +38,7 @@ class Loads(JobSide):
         states = plans.state_plan(self._layout, claim.state_at)
         table = self._core.get_block_ids(req.request_id)
         keys = [st.chunk_keys(self._keyspace, c.group, c.chunk, c.chunk + 1)[0] for c in plan]
-        keys += [self._keyspace.state_key(st.tenant, s.group, req.block_hashes, s.boundary)
+        keys += [self._keyspace.state_key(st.scope, s.group, req.block_hashes, s.boundary)
                  for s in states]
         dst = [table[c.group][c.first_block:c.first_block + c.num_blocks] for c in plan]
         dst += [[table[s.group][s.slot]] for s in states]

@@ -180,13 +180,14 @@ class AsyncKVManager:
                       lora_request=lora_request, cache_salt=scope.cache_salt,
                       skip_reading_prefix_cache=skip_reading_prefix_cache)
         groups = self.layout.num_groups
-        st = ReqState(req, scope.tenant, [[] for _ in range(groups)], [0] * groups)
+        st = ReqState(req, scope.key_scope.tenant, scope.key_scope,
+                      [[] for _ in range(groups)], [0] * groups)
         self._requests[request_id] = st
         self.tenants.opened(st)
         return req
 
     def tenant_of(self, req: Request) -> str:
-        return str(self._state(req).tenant)
+        return self._state(req).tenant
 
     def tenant_stats(self) -> dict[str, TenantStats]:
         """Per-tenant counters, summing to :meth:`stats`' (see :mod:`kvplugin.aio.tenants`)."""
@@ -268,7 +269,7 @@ class AsyncKVManager:
         for i in range(0, len(todo), STATE_PROBES):
             batch = todo[i:i + STATE_PROBES]
             found = await asyncio.gather(*(lookup_levels(
-                self.connector, [self.keyspace.state_key(st.tenant, g, req.block_hashes, n)
+                self.connector, [self.keyspace.state_key(st.scope, g, req.block_hashes, n)
                                  for g in groups], deadline) for n in batch))
             for n, levels in zip(batch, found, strict=True):
                 if len(levels) == len(groups):

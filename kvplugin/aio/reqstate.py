@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from connectors.keys import ObjectKey
 from kvplugin.aio.jobs import LoadJob, StoreJob
-from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.keys import KeyScope, KeySpace
 from kvplugin.aio.values import LoadOutcome
 from kvplugin.core.request import Request
 
@@ -20,6 +20,7 @@ NO_HOLE = 1 << 62  # "every chunk offered so far was stored"
 class ReqState:
     req: Request
     tenant: str
+    scope: KeyScope  # whose namespace its objects are keyed in
     keys: list[list[ObjectKey]]  # per group, the keys of chunks 0.. computed so far
     next_chunk: list[int]  # per group, the first chunk not yet offered for storing
     admitted: bool = False  # holds blocks in the core
@@ -40,6 +41,6 @@ class ReqState:
         """Keys of the group's chunks ``[first, stop)``, derived once per request."""
         have = self.keys[group]
         if stop > len(have):
-            have.extend(keyspace.chunk_keys(self.tenant, group, self.req.block_hashes,
+            have.extend(keyspace.chunk_keys(self.scope, group, self.req.block_hashes,
                                             len(have), stop))
         return have[first:stop]

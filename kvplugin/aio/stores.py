@@ -190,7 +190,7 @@ class Stores(JobSide):
             save_end=save_end, hole=st.hole)
         out = []
         for o in kept:
-            key = self._keyspace.state_key(st.tenant, o.group, req.block_hashes, o.boundary)
+            key = self._keyspace.state_key(st.scope, o.group, req.block_hashes, o.boundary)
             if not self._still_holds(st, o):
                 dropped += 1
                 continue

@@ -319,17 +319,17 @@ class SplitHasher:
 @dataclass(frozen=True, slots=True)
 class RequestScope:
     """How to build a tenant's request: its cache salt, its hasher (None: the manager's),
-    and the tenant as the key space reads it (a :class:`KeyScope` in a prefix group)."""
+    and whose namespaces its objects are keyed in."""
 
-    tenant: str
+    key_scope: KeyScope
     cache_salt: str
     hasher: BlockHasherFn | None = None
 
 
-def _shared(tenant: str) -> tuple[str | None, int]:
+def _shared(scope: KeyScope) -> tuple[str | None, int]:
     """(the domain of a scoped request's shared part, its length in tokens)."""
-    if isinstance(tenant, KeyScope):
-        return _GROUP + tenant.group, tenant.shared_tokens
+    if scope.group is not None:
+        return _GROUP + scope.group, scope.shared_tokens
     return None, 0
 
 
@@ -379,8 +379,8 @@ class _CachedBlocks:
         self._owned: dict[str, dict[int, bytes]] = {}
 
     def record(self, st: ReqState) -> None:
-        group, shared = _shared(st.tenant)
-        tenant = str(st.tenant)
+        group, shared = _shared(st.scope)
+        tenant = st.tenant
         tables = self._core.get_blocks(st.req.request_id).blocks
         for g, table in enumerate(tables):
             bs = self._layout.block_sizes[g]
@@ -495,7 +495,7 @@ class Tenants:
         return c
 
     def _of(self, st: ReqState) -> _Counters:
-        return self._counters[str(st.tenant)]
+        return self._counters[st.tenant]
 
     # ------------------------------------------------------------------ requests
     def scope(self, tenant: str, *, cache_salt: str | None, prefix_group: str | None,
@@ -505,7 +505,7 @@ class Tenants:
         self.policy.quota(tenant)
         private = device_salt(tenant, cache_salt)
         if prefix_group is None and shared_prefix_tokens is None:
-            return RequestScope(tenant, private)
+            return RequestScope(KeyScope(tenant), private)
         if prefix_group is None or shared_prefix_tokens is None:
             raise ValueError("prefix_group and shared_prefix_tokens go together: a request "
                              "shares a prefix only by naming both")
@@ -517,20 +517,20 @@ class Tenants:
                              f"max_prefix_tokens and the prompt), got {k!r}")
         shared = k - k % self._layout.alignment
         if not shared:
-            return RequestScope(tenant, private)  # shorter than one restorable unit
+            return RequestScope(KeyScope(tenant), private)  # shorter than one restorable unit
         self._keyspace.group_namespaces(group.name)
         return RequestScope(KeyScope(tenant, group.name, shared),
                             group_salt(group.name, cache_salt),
                             SplitHasher(self._hasher, shared, private))
 
     def opened(self, st: ReqState) -> None:
-        c = self._book(str(st.tenant))
+        c = self._book(st.tenant)
         c.requests += 1
         c.prompt_tokens += st.req.num_prompt_tokens
-        self._requests[str(st.tenant)].add(st)
+        self._requests[st.tenant].add(st)
 
     def finished(self, st: ReqState) -> None:
-        self._requests[str(st.tenant)].discard(st)
+        self._requests[st.tenant].discard(st)
 
     # ------------------------------------------------------------------ admission
     def blocks_in_use(self, tenant: str) -> set[int]:
@@ -557,10 +557,10 @@ class Tenants:
         blocks and evictable hits; hits already in use by others of the group count here.
         Raising ``reserved`` to ``free - headroom - watermark`` makes that ``need <=
         headroom`` as well, with the core's guarantee that a refusal takes nothing."""
-        quota = self.policy.quota(str(st.tenant)).max_blocks_in_use
+        quota = self.policy.quota(st.tenant).max_blocks_in_use
         if quota is None:
             return reserved
-        held = self.blocks_in_use(str(st.tenant))
+        held = self.blocks_in_use(st.tenant)
         adopted = {b.block_id for table in hits.blocks for b in table
                    if not b.is_null and b.ref_cnt > 0 and b.block_id not in held}
         headroom = quota - len(held) - len(adopted)
@@ -651,7 +651,7 @@ class Tenants:
         return windows, nbytes
 
     def _over_tier_quota(self, st: ReqState, c: _Counters, nbytes: int) -> bool:
-        limits = self.policy.quota(str(st.tenant)).max_tier_bytes
+        limits = self.policy.quota(st.tenant).max_tier_bytes
         return any(c.stored_bytes_by_tier.get(tier, 0) + c.store_bytes_in_flight + nbytes > n
                    for tier, n in limits.items())
 
@@ -701,7 +701,7 @@ class Tenants:
                  jobs: frozenset[Any] = frozenset()) -> None:
         """Its blocks are free (enforce the cached quota), or held for ``jobs``."""
         if blocks is not None:
-            self._holds[str(st.tenant)].append(_Hold(blocks, jobs))
+            self._holds[st.tenant].append(_Hold(blocks, jobs))
             self._enforce_after(jobs, st)
         else:
             self._enforce_cached(st)
@@ -718,8 +718,8 @@ class Tenants:
     def _enforce_cached(self, st: ReqState) -> None:
         if self._cached is None:
             return
-        group, _ = _shared(st.tenant)
-        n = sum(self._cached.enforce(d) for d in (str(st.tenant), group) if d is not None)
+        group, _ = _shared(st.scope)
+        n = sum(self._cached.enforce(d) for d in (st.tenant, group) if d is not None)
         if n:
             self._of(st).quota_evictions += n
             self._stats.quota_evictions += n
