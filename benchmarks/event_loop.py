@@ -18,8 +18,12 @@ is manager bytes/s ÷ baseline bytes/s; the reported figure is the median over r
 collector is off while timing. Last line: JSON with ``loop_lag_p99_ms`` (manager side),
 ``store_throughput_ratio`` and the rest.
 
+The loop is the one ``kvplugin run`` serves on: uvloop when installed (``--asyncio`` for
+asyncio's own); the disk tier's I/O pool has its default size (``--io-threads`` to choose:
+see ``connectors.disk.default_io_threads`` for why the default leaves a core to the loop).
+
     python3 benchmarks/event_loop.py             # targets: lag p99 <= 5 ms, ratio >= 0.80
-    python3 benchmarks/event_loop.py --rounds 9 --object-kib 1024 --uvloop
+    python3 benchmarks/event_loop.py --rounds 9 --object-kib 1024 --asyncio --io-threads 4
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 from connectors.base import Connector, PutItem  # noqa: E402
+from connectors.disk import default_io_threads  # noqa: E402
 from kvplugin.aio.manager import AsyncKVManager  # noqa: E402
 from kvplugin.aio.values import OffloadConfig, StoreMode  # noqa: E402
 from kvplugin.config import KVPluginConfig, validate  # noqa: E402
@@ -65,6 +70,7 @@ class Settings:
     window: int  # store calls in flight or queued at the gate, at most
     probe_ms: float
     store_mode: str
+    io_threads: int | None
 
     @property
     def object_bytes(self) -> int:
@@ -81,7 +87,8 @@ def config(s: Settings, tmp: str) -> KVPluginConfig:
         "model": {"num_layers": 2, "num_kv_heads": 4, "head_size": head},
         "offload": {"chunk_size": BLOCK, "max_local_cpu_size": 2 * per_round / (1 << 30),
                     "local_disk": os.path.join(tmp, "disk"),
-                    "max_local_disk_size": 2 * per_round / (1 << 30)},
+                    "max_local_disk_size": 2 * per_round / (1 << 30),
+                    **({"disk_io_threads": s.io_threads} if s.io_threads else {})},
     }, "event_loop")
 
 
@@ -227,6 +234,7 @@ async def bench(s: Settings) -> dict[str, Any]:
         "object_kib": s.object_kib, "objects_per_side": s.requests * s.chunks,
         "max_io": s.max_io, "window": s.window, "store_mode": s.store_mode,
         "rounds": s.rounds, "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+        "io_threads": s.io_threads or default_io_threads(),
     }
 
 
@@ -240,11 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--probe-ms", type=float, default=1.0)
     ap.add_argument("--store-mode", choices=["copy", "hold"], default="copy")
-    ap.add_argument("--uvloop", action="store_true")
+    ap.add_argument("--asyncio", action="store_true",
+                    help="asyncio's own loop instead of uvloop")
+    ap.add_argument("--io-threads", type=int, help="the disk tier's I/O threads (default: auto)")
     a = ap.parse_args(argv)
     s = Settings(a.rounds, a.requests, a.chunks, a.object_kib, a.max_io, a.window, a.probe_ms,
-                 a.store_mode)
-    loop = new_event_loop(a.uvloop and uvloop_available())
+                 a.store_mode, a.io_threads)
+    loop = new_event_loop(not a.asyncio and uvloop_available())
     try:
         out = loop.run_until_complete(bench(s))
     finally:

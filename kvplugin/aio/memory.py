@@ -191,9 +191,12 @@ class HostKVMemory:
         return self._arrays[group][ids]
 
     def copy_out(self, group: int, block_ids: Sequence[int]) -> Rows:
-        """A private copy of the rows (the source blocks may be reused right after)."""
+        """A private, read-only copy of the rows (the source blocks may be reused right
+        after; nobody may change a store's payload under its I/O)."""
         ids = self._check_ids(group, block_ids)
-        return self._arrays[group][ids]
+        out = self._arrays[group][ids]
+        out.flags.writeable = False
+        return out
 
     def copy_in(self, group: int, block_ids: Sequence[int], data: Any) -> None:
         """Write ``len(block_ids)`` pages of bytes (any buffer, e.g. a loaded payload)."""

@@ -304,7 +304,10 @@ async def test_two_puts_of_one_object_never_write_it_at_once(
     capacity = s + 2 * x + KIB  # three small ones leave no room for x; one small one, for 2x
     assert 3 * s + x > capacity >= s + 2 * x and 2 * s + 2 * x > capacity
     gates = Gates(monkeypatch)
-    async with DiskConnector(os.path.join(tmp_path, "d"), capacity_bytes=capacity) as conn:
+    # Four threads: three writes parked at the gate and x's first write run at once.
+    async with DiskConnector(
+        os.path.join(tmp_path, "d"), capacity_bytes=capacity, io_threads=4
+    ) as conn:
         smalls = [asyncio.ensure_future(conn.put([it], timeout=T)) for it in small]
         await gates.wait_for(3)
         first = asyncio.ensure_future(conn.put([(xkey, xblock)], timeout=T))
@@ -439,3 +442,16 @@ async def test_paths_are_sharded_hex_under_the_root(tmp_path: os.PathLike[str]) 
     rel = os.path.relpath(path, conn.root).split(os.sep)
     assert rel == [key.namespace.hex, key.id[32:34], key.id[32:] + ".kvb"]
     await conn.aclose()
+
+
+def test_io_pool_defaults_to_the_cpus_less_one_for_the_loop(tmp_path: os.PathLike[str]) -> None:
+    assert [disk_mod.default_io_threads(n) for n in (1, 2, 3, 5, 64)] == [1, 1, 2, 4, 4]
+    conn = DiskConnector(str(tmp_path), capacity_bytes=1 << 20)
+    try:
+        expected = disk_mod.default_io_threads(len(os.sched_getaffinity(0)))
+        assert conn._executor._max_workers == expected
+    finally:
+        conn._executor.shutdown()
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match="io_threads"):
+            DiskConnector(str(tmp_path), capacity_bytes=1 << 20, io_threads=bad)  # type: ignore[arg-type]
