@@ -7,6 +7,11 @@ sides:
   ``BlockingConnectionPool`` of the same size, at the same concurrency, against the same
   self-started ``redis-server``. Connector: ``RedisConnector.put``/``get`` (encode with
   both checksums, ``SET NX``; one pipelined ``GET`` per key, verify, zero-copy decode).
+* Redis Cluster — raw: ``redis.asyncio.RedisCluster`` ``SET``/``GET`` of the payload bytes
+  (at most ``--concurrency`` connections per node), at the same concurrency, against the
+  same self-started local cluster (3 masters with a replica each). Connector:
+  ``RedisClusterConnector.put``/``get`` (the Redis connector's format and checks, routed to
+  the slot's master).
 * Disk — raw: temp file write + rename, and a whole-file read into a pooled buffer (the
   connector's threaded read path), one job per object on a thread pool of the same size, with the
   same fsync policy. Connector: ``DiskConnector.put``/``get`` (the same I/O plus encoding,
@@ -19,7 +24,8 @@ first alternates too; dirty pages are flushed, untimed, before each disk chunk),
 from other processes on a shared machine lands on both sides alike. A round's ratio is
 connector throughput / raw throughput; the reported ratio is the median over rounds. The
 last line printed is a JSON object whose ``disk_store_ratio``, ``disk_load_ratio``,
-``redis_store_ratio`` and ``redis_load_ratio`` are for 1 MiB objects (``*_64k`` for 64 KiB).
+``redis_store_ratio``, ``redis_load_ratio``, ``cluster_store_ratio`` and
+``cluster_load_ratio`` are for 1 MiB objects (``*_64k`` for 64 KiB).
 
 ``--secret`` runs the connectors with a deployment secret (keyed BLAKE3 MACs instead of xxh3
 checksums, see :mod:`kvplugin.serde_mac`); the raw side is unchanged.
@@ -46,16 +52,19 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode
 
 # Run as a script, this file's directory comes first on sys.path and the file itself would
 # shadow the ``connectors`` package it measures.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
+from connectors.cluster_testing import LocalRedisCluster  # noqa: E402
 from connectors.disk import DiskConnector  # noqa: E402
 from connectors.faults import LocalRedisServer  # noqa: E402
 from connectors.keys import Namespace, ObjectKey  # noqa: E402
 from connectors.redis import RedisConnector, RedisOptions  # noqa: E402
+from connectors.redis_cluster import RedisClusterConnector, RedisClusterOptions  # noqa: E402
 from kvplugin.serde import Block  # noqa: E402
 
 KIB = 1024
@@ -164,6 +173,50 @@ async def bench_redis(
         await conn.aclose()
         await raw.aclose()
         await raw_pool.aclose()
+    return store, load
+
+
+# --- Redis Cluster ---------------------------------------------------------------------------
+
+
+async def bench_cluster(
+    url: str, items: Sequence[tuple[ObjectKey, Block]], args: argparse.Namespace
+) -> tuple[Phase, Phase]:
+    conc = args.concurrency
+    nodes = url.removeprefix("redis-cluster://").split(",")
+    raw = aioredis.RedisCluster(
+        startup_nodes=[ClusterNode(*n.rsplit(":", 1)) for n in nodes], max_connections=conc
+    )
+    await raw.initialize()
+    conn = RedisClusterConnector(
+        RedisClusterOptions(url=url, max_connections=conc, socket_timeout=TIMEOUT), secret=args.key
+    )
+    raw_keys = [f"raw:{i}".encode() for i in range(len(items))]
+    store, load = Phase(), Phase()
+
+    async def raw_set(i: int) -> None:
+        await raw.set(raw_keys[i], items[i][1].payload)
+
+    async def raw_get(i: int) -> None:
+        if await raw.get(raw_keys[i]) is None:
+            raise RuntimeError("raw GET missed")
+
+    async def conn_put(i: int) -> None:
+        if await conn.put([items[i]], timeout=TIMEOUT) != 1:
+            raise RuntimeError("connector put failed")
+
+    async def conn_get(i: int) -> None:
+        if (await conn.get([items[i][0]], timeout=TIMEOUT))[0] is None:
+            raise RuntimeError("connector get missed")
+
+    try:
+        for _ in range(args.rounds):
+            await raw.flushall(target_nodes=aioredis.RedisCluster.PRIMARIES)  # our own cluster
+            await interleaved(store, raw_set, conn_put, args, len(items))
+            await interleaved(load, raw_get, conn_get, args, len(items))
+    finally:
+        await conn.aclose()
+        await raw.aclose()
     return store, load
 
 
@@ -276,15 +329,21 @@ def report(label: str, size: int, count: int, phase: Phase) -> None:
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     work = tempfile.mkdtemp(prefix="kvplugin-bench-")
     server = LocalRedisServer(os.path.join(work, "redis"))
-    server.start()
+    cluster = LocalRedisCluster(os.path.join(work, "cluster"))
     result: dict[str, object] = {}
     try:
+        if "redis" in args.backends:
+            server.start()
+        if "cluster" in args.backends:
+            cluster.start()
         for size, count in ((64 * KIB, args.count_64k), (MIB, args.count_1m)):
             items = make_items(size, count, distinct=8, tenant="bench")
             suffix = "" if size == MIB else "_64k"
-            for backend in ("redis", "disk"):
+            for backend in args.backends:
                 if backend == "redis":
                     store, load = await bench_redis(server.url, items, args)
+                elif backend == "cluster":
+                    store, load = await bench_cluster(cluster.url, items, args)
                 else:
                     store, load = await bench_disk(os.path.join(work, f"disk{suffix}"), items, args)
                 report(f"{backend} store", size, count, store)
@@ -293,6 +352,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                 result[f"{backend}_load_ratio{suffix}"] = round(load.ratio(), 3)
     finally:
         server.kill()
+        cluster.kill_all()
         shutil.rmtree(work, ignore_errors=True)
     return result
 
@@ -311,12 +371,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="DiskConnector page-cache reads on the loop, bytes per call (0: all on threads)",
     )
     p.add_argument("--chunk", type=int, default=8, help="objects per alternating chunk")
+    p.add_argument(
+        "--backends",
+        default="redis,cluster,disk",
+        help="comma-separated, of redis, cluster, disk (default: all three)",
+    )
     p.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio")
     p.add_argument(
         "--secret", action="store_true", help="connectors seal with keyed MACs (a random secret)"
     )
     args = p.parse_args(argv)
     args.key = os.urandom(32) if args.secret else None
+    args.backends = [b for b in args.backends.split(",") if b]
+    if not args.backends or set(args.backends) - {"redis", "cluster", "disk"}:
+        p.error(f"--backends: choose among redis, cluster, disk, got {args.backends}")
     if args.rounds is None:
         args.rounds = 9 if args.quick else 15
     args.count_1m = 96 if args.quick else 256
@@ -328,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not LocalRedisServer.available():
         print("redis-server not found on PATH", file=sys.stderr)
+        return 2
+    if "cluster" in args.backends and not LocalRedisCluster.available():
+        print("redis-cli not found on PATH (needed for the cluster)", file=sys.stderr)
         return 2
     start = time.perf_counter()
     gc.disable()  # no collector pauses inside timed chunks (either side)
@@ -344,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds=args.rounds,
         loop="uvloop" if args.uvloop else "asyncio",
         secret=args.secret,
+        backends=args.backends,
         seconds=round(time.perf_counter() - start, 1),
     )
     print(json.dumps(result, sort_keys=True))

@@ -1,25 +1,31 @@
-"""Fixtures: a redis-server of our own, and one connector per contract-suite variant.
+"""Fixtures: a redis-server and a Redis Cluster of our own, and one connector per
+contract-suite variant.
 
 Redis tests never touch a server they did not start: the session server (and each private
-server of the kill/restart tests) runs on a free loopback port in a temp directory. When
-``redis-server`` is missing the Redis variants skip, unless ``KVPLUGIN_REQUIRE_REDIS=1``
-(CI), where they fail.
+server of the kill/restart tests) runs on a free loopback port in a temp directory, and so
+does every node of the session cluster (3 masters with a replica each; started on first
+use) and of each private cluster of the failover tests. When ``redis-server`` is missing the
+Redis variants skip, unless ``KVPLUGIN_REQUIRE_REDIS=1`` (CI), where they fail.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
 from conn_testlib import Subject, redis_options
 
 from connectors.base import Connector
+from connectors.cluster_testing import LocalRedisCluster
 from connectors.disk import DiskConnector
 from connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
 from connectors.memory import MemoryConnector
 from connectors.redis import RedisConnector
+from connectors.redis_cluster import RedisClusterConnector, RedisClusterOptions
 from connectors.tiered import TieredConnector
 
 MIB = 1 << 20
@@ -62,7 +68,69 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
     server.kill()
 
 
-KINDS = ["memory", "disk", "disk_threads", "redis", "tiered"]
+def _start_cluster(cluster: LocalRedisCluster) -> LocalRedisCluster:
+    if not LocalRedisCluster.available():
+        _need_redis()
+    try:
+        cluster.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        if os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
+            pytest.fail(f"a local Redis Cluster did not start: {exc}")
+        pytest.skip(f"a local Redis Cluster did not start: {exc}")
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """The session's cluster: tests may reshard it, never kill its nodes."""
+    cluster = _start_cluster(LocalRedisCluster(str(tmp_path_factory.mktemp("redis-cluster"))))
+    yield cluster
+    cluster.kill_all()
+
+
+@pytest.fixture
+def start_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., LocalRedisCluster]]:
+    """``start_cluster(**LocalRedisCluster options)``: a cluster this test may kill or pause
+    nodes of; torn down after the test."""
+    started: list[LocalRedisCluster] = []
+
+    def start(**options: Any) -> LocalRedisCluster:
+        workdir = str(tmp_path_factory.mktemp("redis-cluster-private"))
+        started.append(LocalRedisCluster(workdir, **options))
+        return _start_cluster(started[-1])
+
+    yield start
+    for cluster in started:
+        cluster.kill_all()
+
+
+@pytest.fixture
+def private_cluster(start_cluster: Callable[..., LocalRedisCluster]) -> LocalRedisCluster:
+    """A cluster this test may kill nodes of (failover after 1 s without an answer)."""
+    return start_cluster()
+
+
+def _cluster_options(url: str, **kw: object) -> RedisClusterOptions:
+    """Test settings: short socket timeouts and cool-downs so failure tests stay quick."""
+    base: dict[str, object] = {
+        "socket_timeout": 0.5,
+        "connect_timeout": 0.25,
+        "breaker_cooldown": 0.2,
+        "max_connections": 8,
+    }
+    base.update(kw)
+    return RedisClusterOptions.from_url(url, **base)
+
+
+@pytest.fixture
+def cluster_options() -> Callable[..., RedisClusterOptions]:
+    """``cluster_options(url, **overrides)``: the cluster tests' connector options."""
+    return _cluster_options
+
+
+KINDS = ["memory", "disk", "disk_threads", "redis", "redis_cluster", "tiered"]
 VARIANTS = KINDS + [f"benign-{k}" for k in KINDS] + [f"faulty-{k}" for k in KINDS]
 
 
@@ -70,8 +138,8 @@ VARIANTS = KINDS + [f"benign-{k}" for k in KINDS] + [f"faulty-{k}" for k in KIND
 def make_connector(
     request: pytest.FixtureRequest, tmp_path: os.PathLike[str]
 ) -> Callable[[str], Connector]:
-    """Build a connector of one kind (memory, disk, disk_threads, redis, tiered) on fresh
-    storage."""
+    """Build a connector of one kind (memory, disk, disk_threads, redis, redis_cluster,
+    tiered) on fresh storage."""
     counter = iter(range(1000))
 
     def build(kind: str) -> Connector:
@@ -87,6 +155,9 @@ def make_connector(
         if kind == "redis":
             server = request.getfixturevalue("redis_server")
             return RedisConnector(redis_options(server.url))
+        if kind == "redis_cluster":
+            cluster = request.getfixturevalue("redis_cluster")
+            return RedisClusterConnector(_cluster_options(cluster.url))
         if kind == "tiered":
             return TieredConnector(
                 [MemoryConnector(capacity_bytes=8 * MIB), build("disk"), build("redis")]
@@ -107,5 +178,7 @@ async def subject(
     if mode:
         plan = FAULTY if mode == "faulty" else FaultPlan()
         conn = FaultInjector(conn, plan, seed=sum(map(ord, request.node.name)))
+    # The cluster is a Redis tier to the suite (the same capabilities, asserted as "redis").
+    family = "redis" if kind == "redis_cluster" else kind
     async with conn:
-        yield Subject(conn, kind, reliable)
+        yield Subject(conn, family, reliable)

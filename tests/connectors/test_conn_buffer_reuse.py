@@ -26,7 +26,7 @@ from connectors.tiered import TieredConnector
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio
-KINDS = ["memory", "disk", "disk_threads", "redis", "tiered"]
+KINDS = ["memory", "disk", "disk_threads", "redis", "redis_cluster", "tiered"]
 ENDINGS = ["deadline", "cancelled"]
 KIB = 1024
 

@@ -20,7 +20,7 @@ from kvplugin import serde
 
 pytestmark = pytest.mark.asyncio
 DAMAGES = 1000  # of each: flips and truncations
-STORE_KINDS = ["memory", "disk", "disk_threads", "redis"]  # every single-backend store
+STORE_KINDS = ["memory", "disk", "disk_threads", "redis", "redis_cluster"]  # every backend store
 
 
 def damage(raw: bytes, rng: random.Random, flip: bool) -> bytearray:

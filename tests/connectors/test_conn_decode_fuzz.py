@@ -168,7 +168,7 @@ def test_the_unchanged_document_gets_through_the_fuzz_path(
 
 # --- stored in a connector -----------------------------------------------------------------
 
-STORE_KINDS = ["memory", "disk", "disk_threads", "redis"]
+STORE_KINDS = ["memory", "disk", "disk_threads", "redis", "redis_cluster"]
 
 
 @pytest.mark.asyncio

@@ -8,7 +8,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = ["connectors.base", "connectors.keys", "connectors.memory", "connectors.disk",
-           "connectors.redis", "connectors.tiered", "connectors.faults"]  # fmt: skip
+           "connectors.redis", "connectors.redis_cluster", "connectors.redis_cluster_options",
+           "connectors.cluster_testing", "connectors.tiered", "connectors.faults"]  # fmt: skip
 
 
 def imported_after(module: str) -> set[str]:

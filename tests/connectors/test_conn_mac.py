@@ -35,7 +35,7 @@ from kvplugin.serde_mac import FLAG_MAC
 MIB = 1 << 20
 SECRET = b"deployment-secret-0123456789abcdef"
 OTHER = b"some-other-secret-0123456789abcdef"
-STORE_KINDS = ["memory", "disk", "disk_threads", "redis"]
+STORE_KINDS = ["memory", "disk", "disk_threads", "redis", "redis_cluster"]
 
 
 @pytest.fixture
