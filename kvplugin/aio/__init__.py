@@ -11,7 +11,7 @@
 * :mod:`kvplugin.aio.memory` — paged host KV memory (numpy)
 * :mod:`kvplugin.aio.keys` — block hashes to namespaced connector keys
 * :mod:`kvplugin.aio.tenants` — tenants: scopes, shared prefix groups, quotas, stats
-* :mod:`kvplugin.aio.values` — settings, results and counters
+* :mod:`kvplugin.aio.values` — settings, results, counters and latency histograms
 
 Modules are imported on demand; none from here.
 """

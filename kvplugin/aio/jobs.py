@@ -31,6 +31,7 @@ __all__ = [
     "LoadJob",
     "Priority",
     "StoreJob",
+    "connector_tiers",
     "lookup_levels",
     "run_load",
     "run_store",
@@ -117,6 +118,11 @@ def tier_names(connector: Connector) -> tuple[str, ...]:
         connector.capabilities.tier,)
 
 
+def connector_tiers(connector: Connector) -> list[Connector]:
+    """The connectors of each level of :func:`tier_names`."""
+    return _tiers(connector) or [connector]
+
+
 def _tiers(connector: Connector) -> list[Connector] | None:
     # The convention Connector.codec relies on too: a composite keeps its parts in `tiers`.
     tiers = getattr(connector, "tiers", None)
@@ -173,6 +179,9 @@ class LoadJob:
     dst: list[list[int]]  # per planned chunk (then state): the block ids it lands in
     owner: Any = field(default=None, repr=False)  # the manager's per-request state
     states: tuple[StateLoad, ...] = ()  # Mamba states at ``end``, after the chunks
+    levels: tuple[int, ...] = ()  # per key: the tier level the lookup found it at
+    tier: str = ""  # the slowest tier it reads from (its latency is booked there)
+    started: float = 0.0  # time.perf_counter() at its start
     abandoned: bool = False  # the request went away: apply nothing, only release
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     ended: JobEnd | None = None
@@ -190,6 +199,7 @@ class StoreJob:
     states: int = 0  # how many of the items (the last ones) are Mamba states
     partial_tails: int = 0
     first_token: int = 1 << 62  # start of the earliest chunk: a failure leaves a hole here
+    started: float = 0.0  # time.perf_counter() before its copy-out
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     ended: JobEnd | None = None
 

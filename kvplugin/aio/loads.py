@@ -9,6 +9,8 @@ core sized the window blocks and the state slot for the claimed boundary only.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Sequence
 
 from connectors.keys import ObjectKey
 from kvplugin.aio import plans
@@ -21,6 +23,7 @@ from kvplugin.aio.values import (
     LoadFailurePolicy,
     LoadOutcome,
     LoadStatus,
+    Lookup,
 )
 from kvplugin.core.request import RequestStatus
 from kvplugin.serde import Block
@@ -31,7 +34,8 @@ __all__ = ["Loads"]
 class Loads(JobSide):
     """Load jobs of one manager; a request's job is ``ReqState.load``."""
 
-    def start(self, st: ReqState, claim: Claim) -> None:
+    def start(self, st: ReqState, claim: Claim, lookup: Lookup) -> None:
+        started = time.perf_counter()
         req = st.req
         start, end = claim.local, claim.local + claim.external
         plan = plans.load_plan(self._layout, start, end) if claim.external else ()
@@ -45,7 +49,10 @@ class Loads(JobSide):
         if any(0 in ids for ids in dst):
             raise AssertionError(f"the core left a null block where {req.request_id}'s "
                                  "load lands: the load plan disagrees with the allocation")
-        job = LoadJob(req.request_id, start, end, plan, keys, dst, owner=st, states=states)
+        levels = _levels(lookup, plan, states, claim.state_at)
+        job = LoadJob(req.request_id, start, end, plan, keys, dst, owner=st, states=states,
+                      levels=levels, tier=self._tiers[max(levels, default=0)],
+                      started=started)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         st.load = job
         st.loaded = asyncio.Event()
@@ -128,7 +135,9 @@ class Loads(JobSide):
     def _copy_in(self, job: LoadJob, blocks: list[Block | None], good: int) -> None:
         s = self._stats
         k = len(job.plan)
-        for load, dst, block in zip(job.plan, job.dst[:k], blocks[:k], strict=True):
+        by_tier = s.loaded_bytes_by_tier
+        for load, dst, block, level in zip(job.plan, job.dst[:k], blocks[:k],
+                                           job.levels[:k], strict=True):
             bs = self._layout.block_sizes[load.group]
             n = min(load.num_blocks, good // bs - load.first_block)
             if n <= 0 or block is None:
@@ -139,17 +148,24 @@ class Loads(JobSide):
                                 raw[load.skip * width:(load.skip + n) * width])
             s.loaded_chunks += 1
             s.loaded_bytes += n * width
+            tier = self._tiers[level]
+            by_tier[tier] = by_tier.get(tier, 0) + n * width
         if good != job.end:
             return  # a state is valid at the claimed boundary only
-        for state, dst, block in zip(job.states, job.dst[k:], blocks[k:], strict=True):
+        for state, dst, block, level in zip(job.states, job.dst[k:], blocks[k:],
+                                            job.levels[k:], strict=True):
             assert block is not None  # verified above
             self._memory.copy_in(state.group, dst, block.payload)
+            width = self._memory.page_bytes(state.group)
             s.loaded_states += 1
-            s.loaded_bytes += self._memory.page_bytes(state.group)
+            s.loaded_bytes += width
+            tier = self._tiers[level]
+            by_tier[tier] = by_tier.get(tier, 0) + width
 
     def _end(self, job: LoadJob) -> None:
         """Always runs last: a load that ended without a result (cancelled, or a bug) puts
         the request back to the start; an abandoned one lets its blocks go."""
+        self._latency.load[job.tier].observe(time.perf_counter() - job.started)
         self._jobs.discard(job)
         st: ReqState = job.owner
         if st.load is job:
@@ -172,3 +188,21 @@ class Loads(JobSide):
                                      job.end - job.start, 0, 0)
             st.loaded.set()
         self._holds.job_ended(job)
+
+
+def _levels(lookup: Lookup, plan: Sequence[plans.ChunkLoad],
+            states: Sequence[plans.StateLoad], state_at: int | None) -> tuple[int, ...]:
+    """The tier level the lookup found each of a load's keys at (chunks, then states). The
+    claim was reconciled from this lookup, so every planned chunk is inside what it found;
+    a chunk that is not (a bug elsewhere) is booked at the slowest level seen."""
+    found = [lv for group in lookup.levels for lv in group]
+    found += [lv for _, lv in lookup.states]
+    slowest = max(found, default=0)
+    out = []
+    for c in plan:
+        i = c.chunk - lookup.first[c.group]
+        row = lookup.levels[c.group]
+        out.append(row[i] if 0 <= i < len(row) else slowest)
+    state_level = next((lv for b, lv in lookup.states if b == state_at), slowest)
+    out += [state_level] * len(states)
+    return tuple(out)

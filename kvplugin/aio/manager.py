@@ -29,21 +29,32 @@ drains the boundary-state offers (stored as checkpoints, see :mod:`kvplugin.aio.
 the zeroing list, and starts the core's next step (the Mamba same-step guard). So
 ``after_step`` must follow every model step, before the next step's allocations, and the
 engine must not drain those queues itself.
+
+Offload off: ``AsyncKVManager(core, None, config)`` keeps the device prefix cache, the
+tenants (isolation, quotas, stats) and the engine protocol unchanged, and never touches a
+tier: lookups answer the device hit without awaiting anything, nothing is stored, ``tiers``
+is empty and every offload counter stays 0. An engine runs the same code either way.
+
+Latency: tier lookups, load jobs and store jobs are timed into histograms
+(:class:`~kvplugin.aio.values.Latency`, :meth:`AsyncKVManager.latency`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from connectors.base import Connector, Deadline
+from connectors.base import Connector, ConnectorStats, Deadline
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import (
     IOGate,
     LoadJob,
     StoreJob,
+    connector_tiers,
     lookup_levels,
     tier_names,
 )
@@ -56,6 +67,8 @@ from kvplugin.aio.stores import Holds, Stores
 from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
 from kvplugin.aio.values import (
     Admission,
+    Latency,
+    LatencyRecorder,
     LoadOutcome,
     Lookup,
     OffloadConfig,
@@ -113,7 +126,8 @@ def _layout(core: KVCacheManager, shapes: Sequence[GroupShape], chunk_blocks: in
 
 
 class AsyncKVManager:
-    def __init__(self, core: KVCacheManager, connector: Connector, config: OffloadConfig, *,
+    def __init__(self, core: KVCacheManager, connector: Connector | None,
+                 config: OffloadConfig, *,
                  memory: HostKVMemory | None = None,
                  hash_context: HashContext | None = None,
                  tenants: TenantPolicy | None = None) -> None:
@@ -136,13 +150,14 @@ class AsyncKVManager:
         self.keyspace = KeySpace(config.model, shapes, hbs, config.chunk_blocks)
         self.layout = _layout(core, shapes, config.chunk_blocks)
         self.hasher = BlockHasher(hash_context or HashContext.create("sha256_cbor"), hbs)
-        self.tiers = tier_names(connector)
+        # Tier names, fastest first; empty with offload off (no connector).
+        self.tiers: tuple[str, ...] = () if connector is None else tier_names(connector)
         self._hash_block_size = hbs
         # Per-group hits (a lagging Mamba state) are only reconciled for Mamba + full
         # attention layouts, as the core's get_computed_blocks_for_connector.
         self._divergent = has_state and "window" not in self.layout.kinds
         chunk_bytes = max(s.page_bytes for s in shapes) * config.chunk_blocks
-        if config.store_budget_bytes < chunk_bytes:
+        if connector is not None and config.store_budget_bytes < chunk_bytes:
             raise ValueError(f"store_budget_bytes {config.store_budget_bytes} is below one "
                              f"chunk ({chunk_bytes} bytes): every store would be shed")
         self._gate = IOGate(config.max_io)
@@ -153,13 +168,22 @@ class AsyncKVManager:
                                config=config, stats=self._stats)
         self._jobs: set[LoadJob | StoreJob] = self.tenants.jobs
         self._holds = Holds(core)
-        self._loads = Loads(core=core, connector=connector, config=config, memory=memory,
-                            layout=self.layout, keyspace=self.keyspace, gate=self._gate,
-                            stats=self._stats, jobs=self._jobs, holds=self._holds)
-        self._stores = Stores(core=core, connector=connector, config=config, memory=memory,
-                              layout=self.layout, keyspace=self.keyspace, gate=self._gate,
-                              stats=self._stats, jobs=self._jobs, holds=self._holds)
+        self._latency = LatencyRecorder(self.tiers)
+        self._loads: Loads | None = None
+        self._stores: Stores | None = None
+        if connector is not None:
+            wiring: dict[str, Any] = dict(
+                core=core, connector=connector, tiers=self.tiers, config=config,
+                memory=memory, layout=self.layout, keyspace=self.keyspace, gate=self._gate,
+                stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency)
+            self._loads = Loads(**wiring)
+            self._stores = Stores(**wiring)
         self._closed = False
+
+    @property
+    def offload(self) -> bool:
+        """Whether a connector backs the device cache (False: offload off)."""
+        return self.connector is not None
 
     # ------------------------------------------------------------------ requests
     def new_request(self, request_id: str, prompt_token_ids: Sequence[int], *, tenant: str,
@@ -234,32 +258,38 @@ class AsyncKVManager:
         first = tuple(w.start for w in windows)
         miss = Lookup(req.request_id, hit.reconciled, 0, first, tuple(() for _ in windows))
         chunks_possible = all(windows[g] for g in self.layout.chunked_groups)
-        if (st.skip_external or req.skip_reading_prefix_cache
+        connector = self.connector
+        if (connector is None or st.skip_external or req.skip_reading_prefix_cache
                 or not (chunks_possible or hit.deep > hit.reconciled)):
             return miss
         keys = [st.chunk_keys(self.keyspace, g, w.start, w.stop) if self.layout.chunked(g)
                 else [] for g, w in enumerate(windows)]
         self._stats.lookups += 1
         timeout = self.config.lookup_timeout
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
                 deadline = Deadline.after(timeout)
                 found = await asyncio.gather(
-                    *(lookup_levels(self.connector, k, deadline) for k in keys))
+                    *(lookup_levels(connector, k, deadline) for k in keys))
                 levels = tuple(tuple(lv) for lv in found)
                 tier = TierHit(first, tuple(len(lv) for lv in levels))
-                states = await self._probe_states(st, hit, tier, deadline)
+                states = await self._probe_states(connector, st, hit, tier, deadline)
         except TimeoutError:
             self._stats.lookup_timeouts += 1
             return Lookup(req.request_id, hit.reconciled, 0, first,
                           tuple(() for _ in windows), True)
+        finally:
+            # Every lookup that asked the tiers is timed: answered, timed out or cancelled.
+            self._latency.lookup.observe(time.perf_counter() - started)
         tier = TierHit(first, tier.present, frozenset(b for b, _ in states))
         claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req), hit, tier)
         return Lookup(req.request_id, claim.local, claim.external, first, levels, False,
                       states, claim.state_at)
 
-    async def _probe_states(self, st: ReqState, hit: LocalHit, tier: TierHit,
-                            deadline: Deadline) -> tuple[tuple[int, int], ...]:
+    async def _probe_states(self, connector: Connector, st: ReqState, hit: LocalHit,
+                            tier: TierHit, deadline: Deadline
+                            ) -> tuple[tuple[int, int], ...]:
         """The deepest boundary at which the tiers hold every state group's state, with
         its (slowest) level: candidates are asked a few at a time, deepest first."""
         req = st.req
@@ -269,7 +299,7 @@ class AsyncKVManager:
         for i in range(0, len(todo), STATE_PROBES):
             batch = todo[i:i + STATE_PROBES]
             found = await asyncio.gather(*(lookup_levels(
-                self.connector, [self.keyspace.state_key(st.scope, g, req.block_hashes, n)
+                connector, [self.keyspace.state_key(st.scope, g, req.block_hashes, n)
                                  for g in groups], deadline) for n in batch))
             for n, levels in zip(batch, found, strict=True):
                 if len(levels) == len(groups):
@@ -339,7 +369,7 @@ class AsyncKVManager:
                              f"{req.num_computed_tokens} computed tokens")
         local = self._local_hit(req)
         claim = Claim(local.hit.reconciled)
-        if lookup is not None and not st.skip_external:
+        if lookup is not None and not st.skip_external and self.connector is not None:
             tier = TierHit(lookup.first, lookup.present, frozenset(b for b, _ in lookup.states))
             claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req),
                                     local.hit, tier)
@@ -363,11 +393,14 @@ class AsyncKVManager:
         total = claim.local + claim.external
         req.num_computed_tokens = total  # optimistic during a load, as in vLLM
         self.core.record_prefix_cache_stats(req, claim.local)
-        self._stores.start_cursor(st, total, lookup)
-        by_tier = self._count_hits(claim, lookup)
+        if self._stores is not None:
+            self._stores.start_cursor(st, total, lookup)
+        by_tier = self._count_hits(req, claim, lookup)
         self.tenants.admitted(st, claim.local, by_tier)
         if loads:
-            self._loads.start(st, claim)
+            # A claim of tier tokens comes from a lookup of a manager with a connector.
+            assert self._loads is not None and lookup is not None
+            self._loads.start(st, claim, lookup)
             self.tenants.load_started(st)
         return Admission(blocks, n, claim.local, claim.external, loads, by_tier, claim.state_at)
 
@@ -386,8 +419,11 @@ class AsyncKVManager:
                 out.append(list(lst[:claim.local // self.layout.block_sizes[g]]))
         return self.core.create_kv_cache_blocks(tuple(out))
 
-    def _count_hits(self, claim: Claim, lookup: Lookup | None) -> dict[str, int]:
+    def _count_hits(self, req: Request, claim: Claim, lookup: Lookup | None
+                    ) -> dict[str, int]:
         s = self._stats
+        s.queries += 1
+        s.queried_tokens += req.num_tokens
         s.local_hit_tokens += claim.local
         if not claim.external or lookup is None:
             return {}
@@ -429,15 +465,19 @@ class AsyncKVManager:
             rid: [StateOffer(*o) for o in lst]
             for rid, lst in self.core.take_boundary_state_offloads().items()}
         started = 0
+        stores = self._stores
         for req in requests:
-            started += self.tenants.offer(self._state(req), self._stores,
-                                          offers.pop(req.request_id, ()))
+            st = self._state(req)  # misuse raises with offload off too
+            if stores is not None:
+                started += self.tenants.offer(st, stores, offers.pop(req.request_id, ()))
         for rid, rest in offers.items():
-            st = self._requests.get(rid)
-            if st is None:
+            other = self._requests.get(rid)
+            if stores is None:
+                continue  # offload off: the core's offers are drained, nothing is stored
+            if other is None:
                 self._stats.states_dropped += len(rest)
             else:
-                started += self.tenants.offer(st, self._stores, rest)
+                started += self.tenants.offer(other, stores, rest)
         # The step ran: states cached while scheduling it are on the device now (the
         # Mamba same-step guard), and new attention blocks need no zeroing in host memory.
         self.core.take_new_block_ids()
@@ -451,7 +491,7 @@ class AsyncKVManager:
         (it is cancelled; its blocks are freed when it has stopped), or, in ``HOLD`` mode,
         stores still read the blocks."""
         st = self._state(req)
-        if not self._closed:
+        if not self._closed and self._stores is not None:  # offload off: nothing to offer
             tails: list[StateOffer] = []
             if st.admitted and st.load is None:
                 tails = [StateOffer(*t) for t in self.core.finalize_partial_tail_offloads(req)]
@@ -514,7 +554,12 @@ class AsyncKVManager:
 
     @property
     def store_bytes_in_flight(self) -> int:
-        return self._stores.bytes_in_flight
+        return 0 if self._stores is None else self._stores.bytes_in_flight
+
+    def pending_jobs(self) -> dict[str, int]:
+        """Jobs running now, by kind (``"load"``, ``"store"``)."""
+        loads = sum(isinstance(j, LoadJob) for j in self._jobs)
+        return {"load": loads, "store": len(self._jobs) - loads}
 
     def has_pending_work(self) -> bool:
         """Jobs still run (vLLM's ``has_pending_push_work``: keep the engine stepping)."""
@@ -522,6 +567,16 @@ class AsyncKVManager:
 
     def stats(self) -> OffloadStats:
         return self._stats.copy()
+
+    def latency(self) -> Latency:
+        """Snapshots of the lookup, load (per tier) and store latency histograms."""
+        return self._latency.snapshot()
+
+    def tier_stats(self) -> list[ConnectorStats]:
+        """Each tier's connector counters, in the order of ``tiers`` (empty: offload off)."""
+        if self.connector is None:
+            return []
+        return [t.stats() for t in connector_tiers(self.connector)]
 
     async def drain(self) -> None:
         """Wait until every job started so far (and any they lead to) has ended.
@@ -542,7 +597,7 @@ class AsyncKVManager:
                         job.task.cancel()
                 await self._wait_jobs()
         finally:
-            if self.config.close_connector:
+            if self.config.close_connector and self.connector is not None:
                 await self.connector.aclose()
 
     async def _wait_jobs(self) -> None:

@@ -12,6 +12,7 @@ and a lookup counts a boundary only when every group's objects are present.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import HostKVMemory
 from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import NO_HOLE, ReqState
-from kvplugin.aio.values import Lookup, OffloadConfig, OffloadStats, StoreMode
+from kvplugin.aio.values import LatencyRecorder, Lookup, OffloadConfig, OffloadStats, StoreMode
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.serde import Block
@@ -78,13 +79,16 @@ class _Candidate:
 
 class JobSide:
     """What the load side and the store side of one manager share: the core, the
-    connector, the host memory, the I/O gate and the manager's job and hold bookkeeping."""
+    connector (its tier names, fastest first), the host memory, the I/O gate, the
+    manager's job and hold bookkeeping and its latency histograms."""
 
-    def __init__(self, *, core: KVCacheManager, connector: Connector, config: OffloadConfig,
-                 memory: HostKVMemory, layout: plans.Layout, keyspace: KeySpace,
-                 gate: IOGate, stats: OffloadStats, jobs: set[Job], holds: Holds) -> None:
+    def __init__(self, *, core: KVCacheManager, connector: Connector, tiers: Sequence[str],
+                 config: OffloadConfig, memory: HostKVMemory, layout: plans.Layout,
+                 keyspace: KeySpace, gate: IOGate, stats: OffloadStats, jobs: set[Job],
+                 holds: Holds, latency: LatencyRecorder) -> None:
         self._core = core
         self._connector = connector
+        self._tiers = tuple(tiers)
         self._config = config
         self._memory = memory
         self._layout = layout
@@ -93,6 +97,7 @@ class JobSide:
         self._stats = stats
         self._jobs = jobs
         self._holds = holds
+        self._latency = latency
 
 
 class Stores(JobSide):
@@ -208,6 +213,7 @@ class Stores(JobSide):
 
     # ------------------------------------------------------------------ jobs
     def _start(self, st: ReqState, take: list[_Candidate], num_states: int) -> None:
+        started = time.perf_counter()
         items: list[PutItem] = []
         nbytes = 0
         first_token = NO_HOLE
@@ -231,7 +237,8 @@ class Stores(JobSide):
             nbytes += rows.nbytes
         job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
                        owner=st, states=num_states,
-                       partial_tails=sum(c.tail for c in take), first_token=first_token)
+                       partial_tails=sum(c.tail for c in take), first_token=first_token,
+                       started=started)
         self._storing |= job.key_ids
         self._bytes += nbytes
         st.stores.add(job)
@@ -242,6 +249,7 @@ class Stores(JobSide):
         self._jobs.add(job)
 
     def _end(self, job: StoreJob) -> None:
+        self._latency.store.observe(time.perf_counter() - job.started)
         self._jobs.discard(job)
         self._storing -= job.key_ids
         self._bytes -= job.nbytes

@@ -237,6 +237,8 @@ class TenantStats:
     quota_evictions: int  # cached blocks evicted over the cached-block quota
     blocks_in_use: int  # distinct device blocks its requests and their jobs hold now
     cached_blocks: int | None  # its free-but-cached blocks (tracked with cached quotas)
+    queries: int = 0  # admissions (prefix-cache queries whose hits are booked)
+    queried_tokens: int = 0  # the tokens of those queries: the hit rate's denominator
 
 
 @dataclass(slots=True)
@@ -259,6 +261,8 @@ class _Counters:
     quota_refusals: int = 0
     quota_evictions: int = 0
     store_bytes_in_flight: int = 0
+    queries: int = 0
+    queried_tokens: int = 0
 
     def freeze(self, tenant: str, tiers: Sequence[str], in_use: int,
                cached: int | None) -> TenantStats:
@@ -269,7 +273,8 @@ class _Counters:
             self.loads_failed, self.loads_cancelled, self.loaded_bytes, self.stores,
             self.stored_chunks, self.stored_bytes, MappingProxyType(by_tier),
             self.stores_failed, self.stores_shed, self.stores_shed_quota,
-            self.stores_deduplicated, self.quota_refusals, self.quota_evictions, in_use, cached)
+            self.stores_deduplicated, self.quota_refusals, self.quota_evictions, in_use, cached,
+            self.queries, self.queried_tokens)
 
 
 # --------------------------------------------------------------------------- requests
@@ -476,6 +481,10 @@ class Tenants:
             self._book(name)
 
     def _check_tiers(self) -> None:
+        if not self._tiers:
+            # Offload off: nothing is stored, so a tier quota can never bind; a config keeps
+            # its quotas when offload is switched off for a comparison.
+            return
         p = self.policy
         for q in (p.default_quota, *(p.tenants or {}).values()):
             unknown = sorted(set(q.max_tier_bytes) - set(self._tiers))
@@ -576,7 +585,10 @@ class Tenants:
             self._stats.quota_refusals += 1
 
     def admitted(self, st: ReqState, local_tokens: int, by_tier: Mapping[str, int]) -> None:
-        hits = self._of(st).hit_tokens
+        c = self._of(st)
+        c.queries += 1
+        c.queried_tokens += st.req.num_tokens
+        hits = c.hit_tokens
         for name, n in ((DEVICE, local_tokens), *by_tier.items()):
             hits[name] = hits.get(name, 0) + n
 

@@ -1,16 +1,23 @@
 """The value objects the async manager takes and returns: its settings, what a lookup found,
-what an admission decided, how a load ended, and the counters."""
+what an admission decided, how a load ended, the counters and the latency histograms."""
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 
 from kvplugin.core.manager import KVCacheBlocks
 
 __all__ = [
+    "BOUNDS",
     "Admission",
+    "Histogram",
+    "Latency",
+    "LatencyRecorder",
     "LoadFailurePolicy",
     "LoadOutcome",
     "LoadStatus",
@@ -136,7 +143,12 @@ class LoadOutcome:
 class OffloadStats:
     """Counters (hit rates are derived, never stored). Token counts are per request."""
 
-    lookups: int = 0
+    # Prefix-cache queries whose hits are booked: one per admission (a preempted request
+    # admitted again queries again), with the request's tokens at that time. Hit rate =
+    # (local_hit_tokens + external_hit_tokens) / queried_tokens.
+    queries: int = 0
+    queried_tokens: int = 0
+    lookups: int = 0  # lookups that asked the tiers
     lookup_timeouts: int = 0
     local_hit_tokens: int = 0
     external_hit_tokens: int = 0
@@ -146,6 +158,7 @@ class OffloadStats:
     loads_cancelled: int = 0
     loaded_chunks: int = 0
     loaded_bytes: int = 0
+    loaded_bytes_by_tier: dict[str, int] = field(default_factory=dict)  # where it was found
     recomputed_tokens: int = 0  # claimed, not verified: computed again
     stores: int = 0  # store jobs started
     stored_chunks: int = 0
@@ -167,4 +180,100 @@ class OffloadStats:
     def copy(self) -> OffloadStats:
         out = OffloadStats(**{f.name: getattr(self, f.name) for f in fields(self)})
         out.hit_tokens_by_tier = dict(self.hit_tokens_by_tier)
+        out.loaded_bytes_by_tier = dict(self.loaded_bytes_by_tier)
         return out
+
+
+# --------------------------------------------------------------------------- latency
+#
+# Histograms of the manager's I/O, recorded on the hot path: each observation is one
+# ``time.perf_counter()`` pair (taken by the caller) and one ``bisect``, and nothing here
+# depends on prometheus (kvplugin.metrics turns them into Prometheus histograms at scrape
+# time). Timed: a lookup that asked the tiers (one per ``OffloadStats.lookups``: answered,
+# timed out or cancelled), from its first tier call to the end; a load job from its start
+# (the admission that claimed it) to its end, published, failed or cancelled (one per
+# ``OffloadStats.loads``), booked under the slowest tier it reads from (the one its wait is
+# for); a store job from its copy-out until the write to every tier ended (one per
+# ``OffloadStats.stores``, failures and cancellations included).
+
+# Bucket upper bounds in seconds: a memory-tier load is sub-millisecond, a disk read a few
+# ms, Redis over a network tens of ms; the top buckets catch deadlines (seconds).
+BOUNDS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                             0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Observations per bucket: ``counts[i]`` holds those ``<= bounds[i]`` (and above the
+    previous bound); the last entry those above every bound (Prometheus' ``+Inf``)."""
+
+    bounds: tuple[float, ...] = BOUNDS
+    counts: list[int] = field(default_factory=list)
+    count: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(set(self.bounds)) or not self.bounds:
+            raise ValueError(f"bounds must be strictly increasing, got {self.bounds!r}")
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        elif len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"{len(self.counts)} counts for {len(self.bounds)} bounds + Inf")
+
+    def observe(self, seconds: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bound's bucket (le).
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.count += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations <= it) per bucket, ``inf`` last: Prometheus' form."""
+        out = []
+        total = 0
+        for le, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((le, total))
+        return out
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.count, self.sum)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        if other.bounds != self.bounds:
+            raise ValueError("cannot add histograms with different bounds")
+        return Histogram(self.bounds, [a + b for a, b in zip(self.counts, other.counts,
+                                                             strict=True)],
+                         self.count + other.count, self.sum + other.sum)
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """A snapshot of the manager's histograms (copies: later jobs do not change it).
+    ``load`` is keyed by tier name (the connector's ``capabilities.tier``), one entry per
+    tier level, so an offload-off manager has none."""
+
+    lookup: Histogram
+    store: Histogram
+    load: Mapping[str, Histogram]
+
+    def load_total(self) -> Histogram:
+        """Every load, whatever its tier."""
+        out = Histogram()
+        for h in self.load.values():
+            out = out + h
+        return out
+
+
+class LatencyRecorder:
+    """The manager's live histograms (one per tier name for loads)."""
+
+    __slots__ = ("load", "lookup", "store")
+
+    def __init__(self, tiers: Sequence[str]) -> None:
+        self.lookup = Histogram()
+        self.store = Histogram()
+        self.load = {t: Histogram() for t in tiers}
+
+    def snapshot(self) -> Latency:
+        return Latency(self.lookup.copy(), self.store.copy(),
+                       MappingProxyType({t: h.copy() for t, h in self.load.items()}))
