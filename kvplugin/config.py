@@ -1,8 +1,15 @@
 """Deployment configuration: YAML / TOML / JSON files validated by pydantic.
 
 Unknown keys are errors (never warnings), reported with the file, the key path and the
-reason.  Environment variables ``KVPLUGIN_<SECTION>__<KEY>=value`` override file values
-(values are parsed as YAML scalars, so ``8``, ``true`` and ``0.1`` get their types).
+reason; so are values that only go wrong together (``offload.chunk_size`` not a multiple of
+``layout.block_size``, a prefix group naming an undeclared tenant, a quota on a tier the
+deployment does not build). Environment variables ``KVPLUGIN_<SECTION>__<KEY>=value``
+override file values at any depth (values are parsed as YAML, so ``8``, ``true``, ``0.1`` and
+``{a: 1}`` get their types; a string key keeps the text as it is), and
+``KVPLUGIN_CONFIG_FILE`` names the file to load when no path is given.
+
+Every field carries a description: ``tools/gen_config_doc.py`` renders them as
+``docs/config.md``.
 """
 
 from __future__ import annotations
@@ -10,15 +17,25 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+if TYPE_CHECKING:
+    from kvplugin.aio.tenants import PrefixGroup, TenantPolicy, TenantQuota
 
 ENV_PREFIX = "KVPLUGIN_"
+CONFIG_FILE_ENV = "KVPLUGIN_CONFIG_FILE"  # the file load_config(None) reads, when set
+
+Loc = tuple[str | int, ...]
 
 
 class ConfigError(ValueError):
@@ -29,14 +46,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _raise(title: str, problems: list[tuple[Loc, str]]) -> NoReturn:
+    """Raise every problem at its own key path (pydantic prefixes the caller's location), so
+    a rule that spans fields still names the exact key."""
+    raise ValidationError.from_exception_data(title, [
+        InitErrorDetails(type=PydanticCustomError("config", "{reason}", {"reason": why}),
+                         loc=loc, input=None) for loc, why in problems])
+
+
+def _fail(title: str, problems: list[tuple[Loc, str]]) -> None:
+    if problems:
+        _raise(title, problems)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
 class GroupConfig(_Strict):
-    kind: Literal["full", "sliding_window", "chunked_local", "mamba"]
-    block_size: int | None = Field(default=None, gt=0)
-    sliding_window: int | None = Field(default=None, gt=0)
-    attention_chunk_size: int | None = Field(default=None, gt=0)
-    mode: Literal["none", "align"] | None = None
-    num_speculative_blocks: int | None = Field(default=None, ge=0)
-    is_eagle_group: bool | None = None
+    """One KV-cache group (``layout.groups[]``): layers that share a page shape and an
+    attention family."""
+
+    kind: Literal["full", "sliding_window", "chunked_local", "mamba"] = Field(
+        description="the attention family: full attention, a sliding window, chunked local "
+                    "attention or a Mamba state")
+    block_size: int | None = Field(
+        default=None, gt=0, description="tokens per block of this group (null: layout.block_size)")
+    sliding_window: int | None = Field(
+        default=None, gt=0, description="the window in tokens (sliding_window groups only)")
+    attention_chunk_size: int | None = Field(
+        default=None, gt=0, description="the attention chunk in tokens (chunked_local only)")
+    mode: Literal["none", "align"] | None = Field(
+        default=None, description="Mamba prefix caching: align caches states at block "
+                                  "boundaries, none caches nothing (mamba only)")
+    num_speculative_blocks: int | None = Field(
+        default=None, ge=0, description="extra state blocks for speculative decoding (mamba only)")
+    is_eagle_group: bool | None = Field(
+        default=None, description="the group holds the EAGLE draft model's layers")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> GroupConfig:
@@ -56,25 +101,42 @@ class GroupConfig(_Strict):
 
 
 class LayoutConfig(_Strict):
-    """The KV-cache layout and manager options (the conformance trace ``config``)."""
+    """The KV-cache layout and the allocation core's options (the conformance trace's
+    ``config``)."""
 
-    block_size: int = Field(default=16, gt=0)
-    num_blocks: int = Field(default=512, ge=2)
-    groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig(kind="full")],
-                                      min_length=1)
-    enable_caching: bool = True
-    max_model_len: int = Field(default=8192, gt=0)
-    max_in_flight_tokens: int | None = Field(default=None, gt=0)
-    watermark: float = Field(default=0.0, ge=0.0, lt=1.0)
-    use_eagle: bool = False
-    hash_fn: Literal["sha256_cbor", "sha256"] = "sha256_cbor"
-    none_hash_seed: str | None = None
-    log_stats: bool = True
-    enable_kv_cache_events: bool = True
-    prefix_match_unit: int | None = Field(default=None, gt=0)
-    prefix_cache_retention_interval: int | None = Field(default=None, ge=0)
-    num_hash_lookahead_tokens: int = Field(default=0, ge=0)
-    enable_mamba_shared_prefix_checkpoint: bool = False
+    block_size: int = Field(default=16, gt=0, description="tokens per block (the scheduler's)")
+    num_blocks: int = Field(default=512, ge=2, description="device blocks in the pool "
+                                                          "(block 0 is the null block)")
+    groups: list[GroupConfig] = Field(
+        default_factory=lambda: [GroupConfig(kind="full")], min_length=1,
+        description="the KV-cache groups, one entry per group (see layout.groups[])")
+    enable_caching: bool = Field(default=True, description="prefix caching (offload needs it)")
+    max_model_len: int = Field(default=8192, gt=0, description="the longest request, in tokens")
+    max_in_flight_tokens: int | None = Field(
+        default=None, gt=0, description="cap on the tokens a request's window groups keep "
+                                        "allocated (null: no cap)")
+    watermark: float = Field(default=0.0, ge=0.0, lt=1.0,
+                             description="share of the pool kept free when admitting")
+    use_eagle: bool = Field(default=False, description="EAGLE speculative decoding: the last "
+                                                       "hit block is dropped, as in vLLM")
+    hash_fn: Literal["sha256_cbor", "sha256"] = Field(
+        default="sha256_cbor", description="the block hash (vLLM's names)")
+    none_hash_seed: str | None = Field(
+        default=None, description="seed of the first block's parent hash (null: the fixed "
+                                  "default, so keys are stable across processes)")
+    log_stats: bool = Field(default=True, description="keep prefix-cache statistics")
+    enable_kv_cache_events: bool = Field(default=True, description="record KV-cache events")
+    prefix_match_unit: int | None = Field(
+        default=None, gt=0, description="hash granularity in tokens when below the block size "
+                                        "(sub-block prefix hits, e.g. Mamba partial tails)")
+    prefix_cache_retention_interval: int | None = Field(
+        default=None, ge=0, description="keep every Nth boundary cached in window groups "
+                                        "(0: replay boundaries only; null: all)")
+    num_hash_lookahead_tokens: int = Field(default=0, ge=0,
+                                           description="tokens hashed ahead of the prompt")
+    enable_mamba_shared_prefix_checkpoint: bool = Field(
+        default=False, description="cache the Mamba state at a prompt's last hash boundary "
+                                   "inside a block (partial tails)")
 
     def as_trace_config(self) -> dict[str, Any]:
         d = self.model_dump(exclude={"groups"})
@@ -82,28 +144,45 @@ class LayoutConfig(_Strict):
         return d
 
 
+# ----------------------------------------------------------------------------- traffic
+
+
 class WorkloadConfig(_Strict):
-    num_requests: int = Field(default=48, ge=1)
-    num_system_prompts: int = Field(default=3, ge=1)
-    system_prompt_len: tuple[int, int] = (32, 256)
-    user_len: tuple[int, int] = (8, 160)
-    output_len: tuple[int, int] = (1, 48)
-    follow_up_prob: float = Field(default=0.35, ge=0, le=1)
-    resend_prob: float = Field(default=0.1, ge=0, le=1)
-    salt_prob: float = Field(default=0.1, ge=0, le=1)
-    lora_prob: float = Field(default=0.1, ge=0, le=1)
-    arrivals_per_step: float = Field(default=1.5, gt=0)  # the core-only simulation's
-    vocab: int = Field(default=32000, ge=2)
-    seed: int = 0
+    """The reference engine's traffic (``kvplugin run``) and the core-only simulation's.
+    Ranges are ``[lo, hi]`` in tokens (or ms)."""
+
+    num_requests: int = Field(default=48, ge=1, description="requests to serve")
+    num_system_prompts: int = Field(default=3, ge=1, description="distinct system prompts")
+    system_prompt_len: tuple[int, int] = Field(default=(32, 256),
+                                               description="system prompt length range")
+    user_len: tuple[int, int] = Field(default=(8, 160), description="user message length range")
+    output_len: tuple[int, int] = Field(default=(1, 48), description="answer length range")
+    follow_up_prob: float = Field(default=0.35, ge=0, le=1, description="share of follow-ups "
+                                  "(resending the conversation so far plus a new message)")
+    resend_prob: float = Field(default=0.1, ge=0, le=1,
+                               description="share of exact resends of an earlier prompt")
+    salt_prob: float = Field(default=0.1, ge=0, le=1,
+                             description="share of requests with a user cache salt")
+    lora_prob: float = Field(default=0.1, ge=0, le=1,
+                             description="share of requests with a LoRA adapter")
+    arrivals_per_step: float = Field(default=1.5, gt=0,
+                                     description="arrivals per step (core-only simulation)")
+    vocab: int = Field(default=32000, ge=2, description="vocabulary size")
+    seed: int = Field(default=0, description="the workload's seed: a run repeats exactly")
     # The engine's workload (kvplugin.engine.workload): tenants share the system prompts'
     # tokens (the tiers must still keep them apart), ask about their own documents, and
     # arrive in real time; a follow-up comes a think time after its parent's answer.
-    num_tenants: int = Field(default=3, ge=1)
-    num_documents: int = Field(default=2, ge=1)  # per tenant
-    document_len: tuple[int, int] = (256, 768)
-    doc_qa_prob: float = Field(default=0.25, ge=0, le=1)
-    requests_per_s: float = Field(default=200.0, gt=0)
-    think_time_ms: tuple[int, int] = (0, 20)
+    num_tenants: int = Field(default=3, ge=1, description="tenants (tenant0, tenant1, ...); "
+                             "with tenants.declared: their number, which is the default")
+    num_documents: int = Field(default=2, ge=1, description="documents per tenant")
+    document_len: tuple[int, int] = Field(default=(256, 768),
+                                          description="document length range")
+    doc_qa_prob: float = Field(default=0.25, ge=0, le=1,
+                               description="share of questions about a tenant's document")
+    requests_per_s: float = Field(default=200.0, gt=0,
+                                  description="Poisson arrival rate (engine)")
+    think_time_ms: tuple[int, int] = Field(default=(0, 20), description="delay range between "
+                                           "an answer and its follow-up, ms")
 
     @model_validator(mode="after")
     def _ranges(self) -> WorkloadConfig:
@@ -120,55 +199,115 @@ class WorkloadConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    max_num_batched_tokens: int = Field(default=256, gt=0)
-    max_num_seqs: int = Field(default=16, gt=0)
-    long_prefill_token_threshold: int = Field(default=0, ge=0)
-    full_sequence_must_fit: bool = True
-    stats_every: int = Field(default=8, gt=0)
+    """The scheduler limits of the core-only simulation (and the engine's by default)."""
+
+    max_num_batched_tokens: int = Field(default=256, gt=0, description="tokens per step")
+    max_num_seqs: int = Field(default=16, gt=0, description="requests running at once")
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="per-request cap on prefill tokens per step (0: none)")
+    full_sequence_must_fit: bool = Field(
+        default=True, description="admit only requests whose whole sequence fits (simulation)")
+    stats_every: int = Field(default=8, gt=0, description="steps between statistics records "
+                                                          "(simulation)")
 
 
 GB = 1 << 30
 TEMP_DISK = "temp://"  # offload.local_disk: a fresh temporary directory, removed afterwards
+# The tier kinds (a connector's capabilities.tier) of the built-in tiers, which the tenant
+# quotas' max_tier_bytes name: memory is "host", disk "disk", Redis "remote".
+TIER_KINDS = ("host", "disk", "remote")
+CLUSTER_SCHEME = "redis-cluster://"  # remote_url: a Redis Cluster (connectors.redis_cluster)
 
 
 class ModelConfig(_Strict):
-    """The model's KV page shape (per full-attention group) and its name in the tiers' keys."""
+    """The model's KV page shape (per attention group) and its name in the tiers' keys."""
 
-    name: str = Field(default="kvplugin/fake-model", min_length=1)
-    num_layers: int = Field(default=2, gt=0)  # layers per KV-cache group
-    num_kv_heads: int = Field(default=2, gt=0)
-    head_size: int = Field(default=32, gt=0)
-    dtype: Literal["float16", "bfloat16", "float32", "int8", "uint8"] = "float16"
+    name: str = Field(default="kvplugin/fake-model", min_length=1,
+                      description="the model's name: part of every tier key, so two models "
+                                  "never read each other's KV")
+    num_layers: int = Field(default=2, gt=0, description="layers per KV-cache group")
+    num_kv_heads: int = Field(default=2, gt=0, description="KV heads per layer")
+    head_size: int = Field(default=32, gt=0, description="head dimension")
+    dtype: Literal["float16", "bfloat16", "float32", "int8", "uint8"] = Field(
+        default="float16", description="KV element type")
+
+
+# ----------------------------------------------------------------------------- offload
+
+
+class ConnectorSpec(_Strict):
+    """An extra tier (``offload.connectors[]``), appended below the built-in ones."""
+
+    kind: str = Field(min_length=1, description="a built-in kind (memory, disk, redis), an "
+                      "entry point of the kvplugin.connectors group, or a module:Class string")
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="keyword arguments of the connector's factory")
 
 
 class OffloadConfigSection(_Strict):
     """KV offload tiers. Key names follow LMCache's where one exists (sizes in GB, as
-    LMCache); the rest are kvplugin's own."""
+    LMCache); the rest are kvplugin's own. Tiers are ordered memory, disk, Redis, then
+    ``connectors``; with several, a tiered connector writes through all of them."""
 
-    chunk_size: int = Field(default=16, gt=0)  # tokens per stored object
-    local_cpu: bool = True
-    max_local_cpu_size: float = Field(default=0.001, gt=0)
-    local_disk: str | None = TEMP_DISK  # a path ("file://" allowed), temp:// or null
-    max_local_disk_size: float = Field(default=0.05, gt=0)
-    remote_url: str | None = None  # redis://host:port/db adds a Redis tier
-    store_mode: Literal["copy", "hold"] = "copy"
-    load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    lookup_timeout_ms: float = Field(default=50.0, gt=0)
-    load_timeout_ms: float = Field(default=2000.0, gt=0)
-    store_timeout_ms: float = Field(default=5000.0, gt=0)
-    max_io: int = Field(default=8, gt=0)
-    store_budget_mb: float = Field(default=64.0, gt=0)
-    store_prompt_only: bool = False
+    enabled: bool = Field(default=True, description="false: no tier at all, the manager serves "
+                                                    "device hits only (the rest is ignored)")
+    chunk_size: int = Field(default=16, gt=0, description="tokens per stored object, a "
+                                                         "multiple of layout.block_size")
+    local_cpu: bool = Field(default=True, description="a host-memory tier")
+    max_local_cpu_size: float = Field(default=0.001, gt=0,
+                                      description="the host-memory tier's capacity, GB")
+    local_disk: str | None = Field(
+        default=TEMP_DISK, description="a disk tier: a directory (file:// allowed; created if "
+                                       "missing), temp:// (a temporary one, removed "
+                                       "afterwards) or null (none)")
+    max_local_disk_size: float = Field(default=0.05, gt=0,
+                                       description="the disk tier's capacity, GB")
+    disk_io_threads: int | None = Field(
+        default=None, ge=1, description="the disk tier's I/O threads (null: sized to the "
+                                        "CPUs, leaving one for the event loop)")
+    remote_url: str | None = Field(
+        default=None, description="a Redis tier: redis://host:port/db, rediss://..., "
+                                  "unix:///path.sock, or a Redis Cluster: "
+                                  "redis-cluster://host:port[,host:port...] (null: none)")
+    connectors: list[ConnectorSpec] = Field(
+        default_factory=list, description="extra tiers after the built-in ones (see "
+                                          "offload.connectors[])")
+    store_mode: Literal["copy", "hold"] = Field(
+        default="copy", description="copy: a store copies the blocks out at once; hold: it "
+                                    "pins them until written")
+    load_failure_policy: Literal["recompute", "fail"] = Field(
+        default="recompute", description="a load that fails: recompute what is missing, or "
+                                         "fail the request")
+    lookup_timeout_ms: float = Field(default=50.0, gt=0,
+                                     description="a lookup slower than this is a miss")
+    load_timeout_ms: float = Field(default=2000.0, gt=0, description="deadline of a load")
+    store_timeout_ms: float = Field(default=5000.0, gt=0, description="deadline of a store")
+    max_io: int = Field(default=8, gt=0, description="connector calls in flight at once")
+    store_budget_mb: float = Field(default=64.0, gt=0,
+                                   description="bytes of stores in flight, MB; more is shed")
+    store_prompt_only: bool = Field(default=False,
+                                    description="store prompt tokens only, not answers")
 
     @model_validator(mode="after")
     def _tiers(self) -> OffloadConfigSection:
-        if not (self.local_cpu or self.local_disk or self.remote_url):
-            raise ValueError("no tier: enable local_cpu, local_disk or remote_url")
-        if self.remote_url is not None and not self.remote_url.startswith(
-                ("redis://", "rediss://", "unix://")):
-            raise ValueError("remote_url must be a redis://, rediss:// or unix:// URL")
+        problems: list[tuple[Loc, str]] = []
+        if self.enabled and not (self.local_cpu or self.local_disk or self.remote_url
+                                 or self.connectors):
+            problems.append(((), "no tier: enable local_cpu, local_disk, remote_url or "
+                                 "connectors (or set enabled: false)"))
+        if self.remote_url is not None:
+            why = redis_url_problem(self.remote_url)
+            if why:
+                problems.append((("remote_url",), why))
         if self.local_disk == "":
-            raise ValueError("local_disk must be a path, temp:// or null")
+            problems.append((("local_disk",), "local_disk must be a path, temp:// or null"))
+        elif self.enabled and self.disk_path is not None:
+            why = directory_problem(self.disk_path)
+            if why:
+                problems.append((("local_disk",), why))
+        for i, spec in enumerate(self.connectors):
+            problems += [(("connectors", i, *loc), why) for loc, why in _connector_problems(spec)]
+        _fail("offload", problems)
         return self
 
     @property
@@ -178,17 +317,85 @@ class OffloadConfigSection(_Strict):
             return None
         return self.local_disk.removeprefix("file://")
 
+    def tier_kinds(self) -> list[str]:
+        """The built-in tiers this section builds, by tier kind, fastest first."""
+        if not self.enabled:
+            return []
+        return [k for k, on in zip(TIER_KINDS, (self.local_cpu, self.local_disk is not None,
+                                                self.remote_url is not None), strict=True) if on]
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why ``url`` is not a Redis URL the Redis tier can connect to (None: it is)."""
+    if url.startswith(CLUSTER_SCHEME):
+        from connectors.redis_cluster import remote_url_problem
+
+        return remote_url_problem(url)
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a bad port raises here
+    except ValueError as e:
+        return f"remote_url {url!r} is not a valid URL: {e}"
+    if parts.scheme == "unix":
+        return None if parts.path else f"remote_url {url!r}: a unix:// URL needs a socket path"
+    if parts.scheme not in ("redis", "rediss"):
+        return (f"remote_url must be a redis://, rediss://, unix:// or {CLUSTER_SCHEME} URL, "
+                f"got {url!r}")
+    if not parts.hostname:
+        return f"remote_url {url!r} has no host"
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        return f"remote_url {url!r}: the database ({db!r}) must be a number"
+    return None
+
+
+def directory_problem(path: str) -> str | None:
+    """Why the disk tier could not use ``path`` (None: it is a directory, or can be made)."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            return f"local_disk {path!r} exists and is not a directory"
+        return None if os.access(p, os.W_OK | os.X_OK) else f"local_disk {path!r} is not writable"
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"local_disk {path!r} cannot be created: {str(parent)!r} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"local_disk {path!r} cannot be created: {str(parent)!r} is not writable"
+    return None
+
+
+def _connector_problems(spec: ConnectorSpec) -> list[tuple[Loc, str]]:
+    # Imported here: the registry imports the connectors (a config alone should not).
+    from kvplugin.registry import RegistryError, check_options, resolve
+
+    try:
+        factory = resolve(spec.kind)
+    except RegistryError as e:
+        return [(("kind",), str(e))]
+    try:
+        check_options(spec.kind, factory, spec.options)
+    except RegistryError as e:
+        return [(("options",), str(e))]
+    return []
+
 
 class EngineConfig(_Strict):
     """The reference async engine (``kvplugin run``). The token budget and max_num_seqs
     default to the ``limits`` section's, which the core-only simulation also reads."""
 
-    max_num_batched_tokens: int | None = Field(default=None, gt=0)
-    max_num_seqs: int | None = Field(default=None, gt=0)
-    prefill_token_ms: float = Field(default=0.004, ge=0)  # simulated cost per prefill token
-    decode_step_ms: float = Field(default=1.0, ge=0)  # simulated cost of a step with decodes
-    uvloop: bool = True  # use uvloop when it is installed
-    lag_probe_ms: float = Field(default=5.0, gt=0)  # period of the event-loop lag probe
+    max_num_batched_tokens: int | None = Field(default=None, gt=0,
+                                               description="tokens per step (null: limits')")
+    max_num_seqs: int | None = Field(default=None, gt=0,
+                                     description="requests running at once (null: limits')")
+    prefill_token_ms: float = Field(default=0.004, ge=0,
+                                    description="simulated model time per prefill token, ms")
+    decode_step_ms: float = Field(default=1.0, ge=0,
+                                  description="simulated model time of a step with decodes, ms")
+    uvloop: bool = Field(default=True, description="use uvloop when it is installed")
+    lag_probe_ms: float = Field(default=5.0, gt=0, description="period of the event-loop "
+                                                               "lag probe, ms")
 
 
 FaultKind = Literal["error", "latency", "drop", "corrupt"]
@@ -206,10 +413,14 @@ class FaultsConfig(_Strict):
     object. 0 (the default) injects nothing and wraps nothing.
     """
 
-    rate: float = Field(default=0.0, ge=0, le=1)
-    kinds: tuple[FaultKind, ...] = FAULT_KINDS
-    seed: int = 0  # tier i's injector is seeded with seed + i: runs repeat exactly
-    latency_ms: float = Field(default=20.0, ge=0)
+    rate: float = Field(default=0.0, ge=0, le=1,
+                        description="share of connector operations that go wrong (0: off)")
+    kinds: tuple[FaultKind, ...] = Field(
+        default=FAULT_KINDS, description="what goes wrong: error, latency, drop, corrupt "
+                                         "(each at most once)")
+    seed: int = Field(default=0, description="tier i's injector is seeded with seed + i, so a "
+                                             "drill repeats exactly")
+    latency_ms: float = Field(default=20.0, ge=0, description="the longest injected delay, ms")
 
     @model_validator(mode="after")
     def _kinds(self) -> FaultsConfig:
@@ -221,21 +432,213 @@ class FaultsConfig(_Strict):
         return self.rate / len(self.kinds) if kind in self.kinds else 0.0
 
 
-class KVPluginConfig(_Strict):
-    layout: LayoutConfig = Field(default_factory=LayoutConfig)
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    offload: OffloadConfigSection = Field(default_factory=OffloadConfigSection)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+# ----------------------------------------------------------------------------- tenants
+
+
+def _surface(title: str, loc: Loc, build: typing.Callable[[], Any]) -> Any:
+    """Run a runtime constructor; its ValueError becomes a config error at ``loc``."""
+    try:
+        return build()
+    except ValueError as e:
+        _raise(title, [(loc, str(e))])
+
+
+class TenantQuotaConfig(_Strict):
+    """A tenant's limits (``tenants.declared.<name>``, ``tenants.default_quota``): null or
+    left out means unlimited (kvplugin.aio.tenants.TenantQuota)."""
+
+    max_blocks_in_use: int | None = Field(
+        default=None, ge=0, description="device blocks its requests may hold; an admission "
+                                        "over it waits")
+    max_cached_blocks: int | None = Field(
+        default=None, ge=0, description="free-but-cached device blocks it may keep; its own "
+                                        "oldest lose their cache identity beyond it")
+    max_tier_bytes: dict[str, int] = Field(
+        default_factory=dict, description="bytes it may write to each tier over the run, by "
+                                          "tier kind: host (memory), disk, remote (Redis); "
+                                          "offers beyond it are shed")
 
     @model_validator(mode="after")
-    def _chunks(self) -> KVPluginConfig:
-        if self.offload.chunk_size % self.layout.block_size:
-            raise ValueError(f"offload.chunk_size {self.offload.chunk_size} is not a multiple "
-                             f"of layout.block_size {self.layout.block_size}")
+    def _runtime(self) -> TenantQuotaConfig:
+        _fail("quota", [(("max_tier_bytes", t), f"must be an int >= 0, got {n}")
+                        for t, n in self.max_tier_bytes.items() if n < 0])
+        if self.model_fields_set:  # the default is valid: spare a config the aio imports
+            self.quota()
         return self
+
+    def quota(self) -> TenantQuota:
+        from kvplugin.aio.tenants import TenantQuota
+
+        q: TenantQuota = _surface("quota", (), lambda: TenantQuota(
+            self.max_blocks_in_use, self.max_cached_blocks, dict(self.max_tier_bytes)))
+        return q
+
+
+class PrefixGroupConfig(_Strict):
+    """Tenants that share a declared prefix, e.g. a system prompt (``tenants.prefix_groups[]``;
+    kvplugin.aio.tenants.PrefixGroup)."""
+
+    name: str = Field(description="the group's name (a tenant-name charset: letters, digits, "
+                                  "_ . -)")
+    tenants: list[str] = Field(min_length=1, description="its members (declared tenants, "
+                                                        "when tenants.declared is given)")
+    max_prefix_tokens: int = Field(gt=0, description="the longest prefix a request may "
+                                                     "declare shared")
+    max_cached_blocks: int | None = Field(default=None, ge=0, description="the group's own "
+                                          "cached-block quota for its shared blocks")
+
+    @model_validator(mode="after")
+    def _runtime(self) -> PrefixGroupConfig:
+        self.group()
+        return self
+
+    def group(self) -> PrefixGroup:
+        from kvplugin.aio.tenants import PrefixGroup
+
+        g: PrefixGroup = _surface("prefix group", (), lambda: PrefixGroup(
+            self.name, frozenset(self.tenants), self.max_prefix_tokens,
+            self.max_cached_blocks))
+        return g
+
+
+class TenantsConfig(_Strict):
+    """Whom requests belong to (kvplugin.aio.tenants.TenantPolicy): declared tenants, each
+    with its quota, or (``declared`` left out) any tenant name with ``default_quota``; and
+    the prefix groups whose members share a declared prefix."""
+
+    declared: dict[str, TenantQuotaConfig] | None = Field(
+        default=None, description="tenant name -> its quota (tenants.declared.<name>); "
+                                  "any other tenant is refused. Null: open policy")
+    default_quota: TenantQuotaConfig = Field(
+        default_factory=TenantQuotaConfig, description="the quota of every tenant under the "
+                                                       "open policy")
+    prefix_groups: list[PrefixGroupConfig] = Field(
+        default_factory=list, description="shared prefix groups (see tenants.prefix_groups[])")
+
+    @model_validator(mode="after")
+    def _runtime(self) -> TenantsConfig:
+        if not self.model_fields_set:
+            return self  # the open policy, no quota, no group: nothing to check
+        from kvplugin.aio.tenants import check_name
+
+        problems: list[tuple[Loc, str]] = []
+        for name in self.declared or {}:
+            try:
+                check_name(name)
+            except ValueError as e:
+                problems.append((("declared", name), str(e)))
+        seen: set[str] = set()
+        for i, g in enumerate(self.prefix_groups):
+            if g.name in seen:
+                problems.append((("prefix_groups", i, "name"),
+                                 f"prefix group {g.name!r} is named twice"))
+            seen.add(g.name)
+            if self.declared is None:
+                continue
+            for t in g.tenants:
+                if t not in self.declared:
+                    problems.append((("prefix_groups", i, "tenants"), (
+                        f"tenant {t!r} of prefix group {g.name!r} is not declared (declared: "
+                        f"{', '.join(sorted(self.declared)) or 'none'})")))
+        _fail("tenants", problems)
+        self.policy()
+        return self
+
+    def policy(self, *, tier_quotas: bool = True) -> TenantPolicy:
+        """The manager's tenant policy; ``tier_quotas=False`` (offload off: no tier to
+        limit) leaves the tier byte quotas out."""
+        from kvplugin.aio.tenants import TenantPolicy
+
+        def quota(q: TenantQuotaConfig) -> TenantQuota:
+            return q.quota() if tier_quotas else q.model_copy(update={"max_tier_bytes": {}}
+                                                              ).quota()
+
+        declared = None if self.declared is None else {
+            n: quota(q) for n, q in self.declared.items()}
+        p: TenantPolicy = _surface("tenants", (), lambda: TenantPolicy(
+            declared, quota(self.default_quota), [g.group() for g in self.prefix_groups]))
+        return p
+
+
+# ----------------------------------------------------------------------------- the whole
+
+
+class KVPluginConfig(_Strict):
+    """A deployment: the layout, the model's page, the tiers, the tenants; and the reference
+    engine's traffic, limits and fault drills."""
+
+    layout: LayoutConfig = Field(default_factory=LayoutConfig, description="the KV-cache layout")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig,
+                                     description="the reference engine's traffic")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="scheduler limits")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the KV page shape")
+    offload: OffloadConfigSection = Field(default_factory=OffloadConfigSection,
+                                          description="the offload tiers")
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="the reference async engine")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="fault drills")
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig,
+                                   description="tenants, quotas, shared prefix groups")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tenant_count(cls, data: Any) -> Any:
+        """With declared tenants the workload serves them all: num_tenants defaults to
+        their number (set explicitly, it must agree)."""
+        if not isinstance(data, dict):
+            return data
+        declared = (data.get("tenants") or {}).get("declared") if isinstance(
+            data.get("tenants"), dict) else getattr(data.get("tenants"), "declared", None)
+        workload = data.get("workload", {})
+        if isinstance(declared, dict) and declared and isinstance(workload, dict) \
+                and "num_tenants" not in workload:
+            data = {**data, "workload": {**workload, "num_tenants": len(declared)}}
+        return data
+
+    @model_validator(mode="after")
+    def _across(self) -> KVPluginConfig:
+        problems: list[tuple[Loc, str]] = []
+        off, lay = self.offload, self.layout
+        if off.chunk_size % lay.block_size:
+            problems.append((("offload", "chunk_size"), (
+                f"offload.chunk_size {off.chunk_size} is not a multiple of layout.block_size "
+                f"{lay.block_size}")))
+        problems += self._tenant_problems()
+        _fail("config", problems)
+        return self
+
+    def _blocks_of_longest(self) -> int:
+        """Device blocks a request of max_model_len tokens holds at least: its full-attention
+        groups keep every block (window and Mamba groups need fewer; not counted)."""
+        lay = self.layout
+        return sum(-(-lay.max_model_len // (g.block_size or lay.block_size))
+                   for g in lay.groups if g.kind == "full")
+
+    def _tenant_problems(self) -> list[tuple[Loc, str]]:
+        problems: list[tuple[Loc, str]] = []
+        t = self.tenants
+        need = self._blocks_of_longest()
+        quotas: list[tuple[Loc, TenantQuotaConfig]] = [
+            (("tenants", "default_quota"), t.default_quota)]
+        quotas += [(("tenants", "declared", n), q) for n, q in (t.declared or {}).items()]
+        for loc, q in quotas:
+            if q.max_blocks_in_use is not None and q.max_blocks_in_use < need:
+                problems.append(((*loc, "max_blocks_in_use"), (
+                    f"{q.max_blocks_in_use} blocks cannot hold one request of "
+                    f"layout.max_model_len {self.layout.max_model_len} tokens ({need} blocks "
+                    f"in the full-attention groups): such a request would wait forever")))
+        if not self.offload.enabled or self.offload.connectors:
+            # Offload off: tier quotas have nothing to limit and are left out; extra tiers
+            # name their own kinds, which the manager checks when it is built.
+            return problems
+        tiers = self.offload.tier_kinds()
+        for loc, q in quotas:
+            for tier in q.max_tier_bytes:
+                if tier not in tiers:
+                    problems.append(((*loc, "max_tier_bytes", tier), (
+                        f"no {tier!r} tier: this deployment's tiers are {tiers or 'none'} "
+                        f"(tier kinds: host = memory, disk, remote = Redis)")))
+        return problems
 
 
 # ----------------------------------------------------------------------------- loading
@@ -258,40 +661,115 @@ def _parse(text: str, suffix: str, source: str) -> dict[str, Any]:
     return data
 
 
-def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
-    """``KVPLUGIN_LAYOUT__NUM_BLOCKS=64`` sets ``layout.num_blocks``."""
+def _field_type(path: list[str]) -> Any:
+    """The annotation of the key at ``path`` (None when the path leaves the models)."""
+    ann: Any = KVPluginConfig
+    for part in path:
+        ann = _unwrap(ann)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(part)
+            if field is None:
+                return None
+            ann = field.annotation
+        elif typing.get_origin(ann) in (dict, list):
+            ann = typing.get_args(ann)[-1]
+        else:
+            return None
+    return ann
+
+
+def _unwrap(ann: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _env_value(name: str, path: list[str], raw: str) -> Any:
+    ann = _field_type(path)
+    if _unwrap(ann) is str and raw not in ("null", "~"):
+        return raw  # a string key keeps its text: a model name or hash seed may look numeric
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"environment variable {name} ({'.'.join(path)}): cannot parse "
+                          f"{raw!r}: {e}") from None
+
+
+def _env_overrides(data: dict[str, Any], env: Mapping[str, str]
+                   ) -> tuple[dict[str, Any], dict[Loc, str]]:
+    """The data with the overrides applied, and which variable set which key path."""
     out: dict[str, Any] = json.loads(json.dumps(data))  # deep copy of plain data
-    for name, raw in env.items():
+    origins: dict[Loc, str] = {}
+    for name in sorted(env):
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
-        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"environment {name}: {'.'.join(path)} is not a section")
-        node[path[-1]] = yaml.safe_load(raw)
-    return out
+        parts = name[len(ENV_PREFIX):].split("__")
+        node: Any = out
+        path: list[str | int] = []
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not (part.isdigit() and int(part) < len(node)):
+                    raise ConfigError(f"environment variable {name}: {'.'.join(map(str, path))} "
+                                      f"is a list of {len(node)}; {part!r} is not an index in it")
+                key: str | int = int(part)
+            elif isinstance(node, dict):
+                # Keys match case-insensitively (variable names are upper case by habit).
+                key = next((k for k in node if k.lower() == part.lower()), part.lower())
+            else:
+                raise ConfigError(f"environment variable {name}: {'.'.join(map(str, path))} "
+                                  f"is a value, not a section")
+            path.append(key)
+            if last:
+                node[key] = _env_value(name, [str(p) for p in path], env[name])
+            else:
+                if isinstance(node, dict) and node.get(key) is None:
+                    node[key] = {}  # a section the file left out
+                node = node[key]
+        origins[tuple(path)] = name
+    return out, origins
 
 
-def _describe(e: ValidationError, source: str) -> str:
+def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``KVPLUGIN_LAYOUT__NUM_BLOCKS=64`` sets ``layout.num_blocks``; deeper keys the same
+    way (``KVPLUGIN_TENANTS__DEFAULT_QUOTA__MAX_BLOCKS_IN_USE=8``, list items by index:
+    ``KVPLUGIN_LAYOUT__GROUPS__0__KIND=full``)."""
+    return _env_overrides(data, env)[0]
+
+
+def _describe(e: ValidationError, source: str, origins: Mapping[Loc, str]) -> str:
     lines = [f"{source}: invalid configuration"]
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {err['msg']}")
+        loc = tuple(err["loc"])
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        line = f"  {path}: {err['msg']}"
+        # The variable that set this key, or the section above it, or a key inside it.
+        var = next((v for at, v in sorted(origins.items(), key=lambda x: -len(x[0]))
+                    if loc[:len(at)] == at or (loc and at[:len(loc)] == loc)), None)
+        if var is not None:
+            line += f" (set by environment variable {var})"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def validate(data: dict[str, Any], source: str = "<config>") -> KVPluginConfig:
+def validate(data: dict[str, Any], source: str = "<config>",
+             origins: Mapping[Loc, str] | None = None) -> KVPluginConfig:
     try:
         return KVPluginConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, source)) from None
+        raise ConfigError(_describe(e, source, origins or {})) from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
                 env: Mapping[str, str] | None = None) -> KVPluginConfig:
-    """Load a config file (or the embedded default when ``path`` is None)."""
+    """Load a config file: ``path``, else the file ``KVPLUGIN_CONFIG_FILE`` names, else the
+    embedded default; then apply the environment's overrides (``env``: os.environ)."""
+    env = os.environ if env is None else env
+    if path is None and env.get(CONFIG_FILE_ENV):
+        path = env[CONFIG_FILE_ENV]
     if path is None:
         source = "embedded default.yaml"
         text = (resources.files("kvplugin") / "data" / "default.yaml").read_text()
@@ -305,5 +783,5 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"{source}: cannot read: {e.strerror}") from None
         suffix = p.suffix.lower()
     data = _parse(text, suffix, source)
-    data = apply_env_overrides(data, os.environ if env is None else env)
-    return validate(data, source)
+    data, origins = _env_overrides(data, env)
+    return validate(data, source, origins)

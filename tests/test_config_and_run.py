@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from redis_fixture import local_redis
 
 from kvplugin.config import ConfigError, apply_env_overrides, load_config, validate
 from kvplugin.engine.build import engine_supports
@@ -16,6 +17,7 @@ from kvplugin.replay import run_trace
 from kvplugin.sim import Limits, Simulation, Workload
 
 REPO = Path(__file__).resolve().parent.parent
+__all__ = ["local_redis"]  # the fixture, imported for pytest
 
 
 def test_embedded_default_loads() -> None:
@@ -36,8 +38,12 @@ CORE_ONLY = {"llama4_chunked.toml": "chunked_local"}
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").iterdir()), ids=lambda p: p.name)
-def test_shipped_configs_are_valid(path: Path) -> None:
+def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest) -> None:
     cfg = load_config(path, env={})
+    if cfg.offload.remote_url is not None:  # never the file's server: the test's own
+        server = request.getfixturevalue("local_redis")
+        cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(
+            update={"remote_url": server.url})})
     # Every shipped layout must build a core manager.
     Simulation(cfg.layout.as_trace_config(), Workload(num_requests=1), Limits())
     reason = engine_supports(cfg.layout, cfg.model)
@@ -72,7 +78,8 @@ def test_unknown_key_is_rejected_with_file_and_path(tmp_path: Path) -> None:
     ({"layout": {"groups": []}}, "layout.groups"),
     ({"workload": {"output_len": [5, 2]}}, "output_len"),
     ({"limits": {"max_num_seqs": 0}}, "limits.max_num_seqs"),
-    ({"tenants": {}}, "tenants"),
+    ({"tenants": {"declared": {"a b": {}}}}, "tenants.declared.a b"),
+    ({"tenants": {"prefix_groups": [{"name": "g", "tenants": []}]}}, "tenants.prefix_groups.0"),
     ({"offload": {"max_local_cpu_size": 0}}, "offload.max_local_cpu_size"),
     ({"offload": {"local_cpu": False, "local_disk": None}}, "no tier"),
     ({"offload": {"remote_url": "http://x"}}, "redis://"),

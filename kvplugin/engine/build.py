@@ -1,106 +1,49 @@
-"""Build the engine's parts from a deployment config: the core, the tiers, the manager, the
-fake model and the scheduler; and close them again (the temporary disk tier included)."""
+"""The reference engine's deployment: the plugin (core, tiers, manager: built by
+:mod:`kvplugin.plugin`, the same code path an engine's startup takes), the fake model and
+the scheduler; and closing them again (the temporary disk tier included)."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from connectors.base import Connector
-from connectors.disk import DiskConnector
-from connectors.faults import FaultInjector, FaultPlan
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
+from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
-from kvplugin.aio.values import LoadFailurePolicy, OffloadConfig, StoreMode
-from kvplugin.config import (
-    GB,
-    FaultsConfig,
-    KVPluginConfig,
-    OffloadConfigSection,
-)
+from kvplugin.config import ConfigError, KVPluginConfig, Loc
 from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
+from kvplugin.plugin import (
+    TIER_LABELS,
+    TierWrapper,
+    build_connector,
+    build_tiers,
+    fault_plan,
+    fault_wrapper,
+    load_plugin,
+    offload_config,
+)
 
 __all__ = [
     "TIER_LABELS",
     "Deployment",
+    "TierWrapper",
     "build_connector",
+    "build_core",
+    "build_tiers",
+    "check_workload",
     "deployment",
     "engine_supports",
     "fault_plan",
     "fault_wrapper",
     "kv_cache_config",
     "limits_of",
+    "offload_config",
+    "workload_problems",
+    "workload_tenancy",
 ]
-
-# Tier kinds (a connector's ``capabilities.tier``) as the run report names them.
-TIER_LABELS = {"host": "memory", "disk": "disk", "remote": "redis"}
-
-TierWrapper = Callable[[Connector], Connector]
-
-
-def build_connector(off: OffloadConfigSection, disk_root: str | None,
-                    wrap: TierWrapper | None = None) -> Connector:
-    """The configured tiers, fastest first, behind one TieredConnector when there are
-    several. ``wrap`` wraps each tier (fault injection in tests)."""
-    tiers: list[Connector] = []
-    if off.local_cpu:
-        tiers.append(MemoryConnector(capacity_bytes=int(off.max_local_cpu_size * GB)))
-    if off.local_disk is not None:
-        if disk_root is None:
-            raise ValueError("a disk tier needs a directory")
-        tiers.append(DiskConnector(disk_root, capacity_bytes=int(off.max_local_disk_size * GB)))
-    if off.remote_url is not None:
-        from connectors.redis import RedisConnector, RedisOptions
-
-        tiers.append(RedisConnector(RedisOptions(url=off.remote_url)))
-    if wrap is not None:
-        tiers = [wrap(t) for t in tiers]
-    return tiers[0] if len(tiers) == 1 else TieredConnector(tiers)
-
-
-def fault_plan(faults: FaultsConfig) -> FaultPlan:
-    return FaultPlan(error_rate=faults.kind_rate("error"),
-                     latency_rate=faults.kind_rate("latency"), latency=faults.latency_ms / 1000,
-                     drop_write_rate=faults.kind_rate("drop"),
-                     corrupt_write_rate=faults.kind_rate("corrupt"))
-
-
-def fault_wrapper(faults: FaultsConfig, injectors: list[FaultInjector]) -> TierWrapper | None:
-    """Wraps each tier in a FaultInjector (tier i seeded with ``seed + i``, so a drill
-    repeats), appended to ``injectors``; None when the drill is off."""
-    if not faults.rate:
-        return None
-    plan = fault_plan(faults)
-
-    def wrap(tier: Connector) -> Connector:
-        injectors.append(FaultInjector(tier, plan, seed=faults.seed + len(injectors)))
-        return injectors[-1]
-
-    return wrap
-
-
-def _both(inner: TierWrapper | None, outer: TierWrapper | None) -> TierWrapper | None:
-    if inner is None or outer is None:
-        return inner or outer
-    return lambda tier: outer(inner(tier))
-
-
-def offload_config(cfg: KVPluginConfig) -> OffloadConfig:
-    off = cfg.offload
-    return OffloadConfig(
-        model=cfg.model.name, chunk_blocks=off.chunk_size // cfg.layout.block_size,
-        lookup_timeout=off.lookup_timeout_ms / 1000, load_timeout=off.load_timeout_ms / 1000,
-        store_timeout=off.store_timeout_ms / 1000, max_io=off.max_io,
-        store_budget_bytes=int(off.store_budget_mb * (1 << 20)),
-        store_mode=StoreMode(off.store_mode),
-        load_failure_policy=LoadFailurePolicy(off.load_failure_policy),
-        store_prompt_only=off.store_prompt_only)
 
 
 def limits_of(cfg: KVPluginConfig) -> SchedulerLimits:
@@ -112,12 +55,60 @@ def limits_of(cfg: KVPluginConfig) -> SchedulerLimits:
         long_prefill_token_threshold=lim.long_prefill_token_threshold)
 
 
+def workload_problems(cfg: KVPluginConfig) -> list[tuple[Loc, str]]:
+    """What keeps the reference engine's workload (``kvplugin run``) from serving this
+    deployment's tenancy; nothing an engine loading the plugin cares about. Its requests
+    belong to the declared tenants (else ``tenant0`` ..), and a group member's requests
+    declare the whole system prompt shared."""
+    problems: list[tuple[Loc, str]] = []
+    t, w = cfg.tenants, cfg.workload
+    names = list(t.declared) if t.declared is not None else [
+        f"tenant{i}" for i in range(w.num_tenants)]
+    if t.declared is not None and w.num_tenants != len(t.declared):
+        problems.append((("workload", "num_tenants"), (
+            f"the workload serves the {len(t.declared)} declared tenants; num_tenants "
+            f"{w.num_tenants} disagrees (leave it out)")))
+    hi = w.system_prompt_len[1]
+    for i, g in enumerate(t.prefix_groups):
+        strangers = [m for m in g.tenants if m not in names]
+        if strangers:
+            problems.append((("tenants", "prefix_groups", i, "tenants"), (
+                f"{strangers} are not the workload's tenants {names}: declare the tenants, "
+                f"or name workload tenants")))
+        if g.max_prefix_tokens < hi:
+            problems.append((("tenants", "prefix_groups", i, "max_prefix_tokens"), (
+                f"{g.max_prefix_tokens} is below workload.system_prompt_len's upper bound "
+                f"{hi}: the workload declares whole system prompts shared")))
+    return problems
+
+
+def check_workload(cfg: KVPluginConfig, source: str = "<config>") -> None:
+    """ConfigError when the reference engine's workload cannot serve ``cfg``
+    (:func:`workload_problems`)."""
+    problems = workload_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join([f"{source}: the workload (kvplugin run) cannot serve this "
+                                     "configuration", *(f"  {'.'.join(map(str, loc))}: {why}"
+                                                        for loc, why in problems)]))
+
+
+def workload_tenancy(cfg: KVPluginConfig) -> tuple[list[str] | None, dict[str, list[str]]]:
+    """Whom the workload's requests belong to: the declared tenant names (None when the
+    config declares none: the workload names its own), and each prefix group's members.
+    ConfigError when the workload cannot serve them (:func:`check_workload`: e.g. a group's
+    max_prefix_tokens below the system prompts it would share)."""
+    check_workload(cfg)
+    t = cfg.tenants
+    names = None if t.declared is None else list(t.declared)
+    return names, {g.name: list(g.tenants) for g in t.prefix_groups}
+
+
 @dataclass(slots=True)
 class Deployment:
     mgr: AsyncKVManager
     model: FakeModel
     engine: Engine
-    connector: Connector
+    connector: Connector | None  # None: offload off
     injectors: list[FaultInjector] = field(default_factory=list)  # the faults section's
 
     @property
@@ -136,39 +127,20 @@ class Deployment:
 @contextlib.asynccontextmanager
 async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None
                      ) -> AsyncIterator[Deployment]:
-    """The engine and everything under it; on exit the manager is closed (its jobs
-    cancelled and awaited, the tiers closed) and a temporary disk directory removed.
-    With a ``faults`` drill each tier is wrapped in its injector first, then in
-    ``wrap_tiers``."""
+    """The engine and everything under it; on exit the engine's tasks are stopped, then the
+    plugin closes (the manager's jobs cancelled and awaited, the tiers closed, a temporary
+    disk directory removed). With a ``faults`` drill each tier is wrapped in its injector
+    first, then in ``wrap_tiers``."""
     reason = engine_supports(cfg.layout, cfg.model)
     if reason is not None:
         raise ValueError(reason)
-    tmp = None
-    disk_root = cfg.offload.disk_path
-    if cfg.offload.local_disk is not None and disk_root is None:
-        tmp = disk_root = tempfile.mkdtemp(prefix="kvplugin-disk-")
-    try:
-        core, ctx = build_core(cfg.layout, cfg.model)
-        injectors: list[FaultInjector] = []
-        wrap = _both(fault_wrapper(cfg.faults, injectors), wrap_tiers)
-        connector = build_connector(cfg.offload, disk_root, wrap)
+    async with load_plugin(cfg, wrap_tiers=wrap_tiers) as plugin:
+        mgr = plugin.manager
+        e = cfg.engine
+        model = FakeModel(mgr.memory, StepCosts(e.prefill_token_ms / 1000,
+                                                e.decode_step_ms / 1000), cfg.workload.vocab)
+        engine = Engine(mgr, model, limits_of(cfg))
         try:
-            mgr = AsyncKVManager(core, connector, offload_config(cfg), hash_context=ctx)
-        except BaseException:
-            await connector.aclose()  # the disk tier holds its directory's lock
-            raise
-        try:
-            e = cfg.engine
-            model = FakeModel(mgr.memory, StepCosts(e.prefill_token_ms / 1000,
-                                                    e.decode_step_ms / 1000),
-                              cfg.workload.vocab)
-            engine = Engine(mgr, model, limits_of(cfg))
-            try:
-                yield Deployment(mgr, model, engine, connector, injectors)
-            finally:
-                await engine.aclose()
+            yield Deployment(mgr, model, engine, plugin.connector, plugin.injectors)
         finally:
-            await mgr.aclose()
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            await engine.aclose()

@@ -1,0 +1,264 @@
+"""kvplugin as an engine loads it: a deployment config in, a ready manager out.
+
+An engine's startup code::
+
+    async with load_plugin("configs/tiered.yaml") as plugin:
+        mgr = plugin.manager          # AsyncKVManager: lookup / allocate / after_step / finish
+        ...serve...
+    # closed: jobs cancelled and awaited, tiers closed, a temporary disk directory removed
+
+``load_plugin`` reads and validates the config at once (a bad one raises
+:class:`~kvplugin.config.ConfigError` before anything is built); entering builds the core,
+the tiers (memory, disk, Redis, then ``offload.connectors`` through
+:mod:`kvplugin.registry`, each wrapped in its fault injector when a drill is configured)
+and the manager with the config's tenant policy. ``offload.enabled: false`` builds no tier
+(``plugin.connector is None``): the manager serves device hits only. The reference
+engine's :func:`kvplugin.engine.build.deployment` builds on this, so there is one way to
+build a deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+
+from connectors.base import Connector
+from connectors.disk import DiskConnector
+from connectors.faults import FaultInjector, FaultPlan
+from connectors.memory import MemoryConnector
+from connectors.tiered import TieredConnector
+from kvplugin.aio.manager import AsyncKVManager
+from kvplugin.aio.values import LoadFailurePolicy, OffloadConfig, StoreMode
+from kvplugin.config import (
+    CLUSTER_SCHEME,
+    GB,
+    ConfigError,
+    FaultsConfig,
+    KVPluginConfig,
+    OffloadConfigSection,
+)
+from kvplugin.config import load_config as _load_config
+from kvplugin.engine.layouts import build_core
+from kvplugin.registry import RegistryError, create
+
+__all__ = [
+    "TIER_LABELS",
+    "Plugin",
+    "TierWrapper",
+    "build_connector",
+    "build_tiers",
+    "fault_plan",
+    "fault_wrapper",
+    "load_plugin",
+    "offload_config",
+]
+
+# Tier kinds (a connector's ``capabilities.tier``) as reports name them.
+TIER_LABELS = {"host": "memory", "disk": "disk", "remote": "redis"}
+
+TierWrapper = Callable[[Connector], Connector]
+
+
+def build_tiers(off: OffloadConfigSection, disk_root: str | None,
+                wrap: TierWrapper | None = None) -> list[Connector]:
+    """The configured tiers, fastest first (none when offload is off). ``wrap`` wraps each
+    one (fault injection). Connectors acquire nothing before their first use, so a tier
+    that fails to build leaves nothing to close behind it."""
+    if not off.enabled:
+        return []
+    tiers: list[Connector] = []
+    if off.local_cpu:
+        tiers.append(MemoryConnector(capacity_bytes=int(off.max_local_cpu_size * GB)))
+    if off.local_disk is not None:
+        if disk_root is None:
+            raise ValueError("a disk tier needs a directory")
+        tiers.append(DiskConnector(disk_root, capacity_bytes=int(off.max_local_disk_size * GB),
+                                   io_threads=off.disk_io_threads))
+    if off.remote_url is not None:
+        tiers.append(_remote(off.remote_url))
+    for i, spec in enumerate(off.connectors):
+        try:
+            tiers.append(create(spec.kind, spec.options))
+        except RegistryError as e:
+            raise ConfigError(f"offload.connectors.{i}: {e}") from None
+    return [wrap(t) for t in tiers] if wrap is not None else tiers
+
+
+def _remote(url: str) -> Connector:
+    if url.startswith(CLUSTER_SCHEME):
+        from connectors.redis_cluster import connector_from_url
+
+        return connector_from_url(url)
+    from connectors.redis import RedisConnector, RedisOptions
+
+    return RedisConnector(RedisOptions(url=url))
+
+
+def _combine(tiers: list[Connector]) -> Connector | None:
+    if not tiers:
+        return None
+    return tiers[0] if len(tiers) == 1 else TieredConnector(tiers)
+
+
+def build_connector(off: OffloadConfigSection, disk_root: str | None,
+                    wrap: TierWrapper | None = None) -> Connector:
+    """The configured tiers behind one TieredConnector when there are several."""
+    conn = _combine(build_tiers(off, disk_root, wrap))
+    if conn is None:
+        raise ValueError("offload is off: no tier to build")
+    return conn
+
+
+def fault_plan(faults: FaultsConfig) -> FaultPlan:
+    return FaultPlan(error_rate=faults.kind_rate("error"),
+                     latency_rate=faults.kind_rate("latency"), latency=faults.latency_ms / 1000,
+                     drop_write_rate=faults.kind_rate("drop"),
+                     corrupt_write_rate=faults.kind_rate("corrupt"))
+
+
+def fault_wrapper(faults: FaultsConfig, injectors: list[FaultInjector]) -> TierWrapper | None:
+    """Wraps each tier in a FaultInjector (tier i seeded with ``seed + i``, so a drill
+    repeats), appended to ``injectors``; None when the drill is off."""
+    if not faults.rate:
+        return None
+    plan = fault_plan(faults)
+
+    def wrap(tier: Connector) -> Connector:
+        injectors.append(FaultInjector(tier, plan, seed=faults.seed + len(injectors)))
+        return injectors[-1]
+
+    return wrap
+
+
+def _both(inner: TierWrapper | None, outer: TierWrapper | None) -> TierWrapper | None:
+    if inner is None or outer is None:
+        return inner or outer
+    return lambda tier: outer(inner(tier))
+
+
+def offload_config(cfg: KVPluginConfig) -> OffloadConfig:
+    off = cfg.offload
+    return OffloadConfig(
+        model=cfg.model.name, chunk_blocks=off.chunk_size // cfg.layout.block_size,
+        lookup_timeout=off.lookup_timeout_ms / 1000, load_timeout=off.load_timeout_ms / 1000,
+        store_timeout=off.store_timeout_ms / 1000, max_io=off.max_io,
+        store_budget_bytes=int(off.store_budget_mb * (1 << 20)),
+        store_mode=StoreMode(off.store_mode),
+        load_failure_policy=LoadFailurePolicy(off.load_failure_policy),
+        store_prompt_only=off.store_prompt_only)
+
+
+class Plugin:
+    """A loaded deployment: ``config`` now; ``manager`` and ``connector`` once opened
+    (``async with``, or ``await plugin.open()`` ... ``await plugin.aclose()``)."""
+
+    __slots__ = ("_connector", "_manager", "_state", "_tmp", "_wrap", "config", "injectors",
+                 "source")
+
+    def __init__(self, config: KVPluginConfig, *, source: str = "<config>",
+                 wrap_tiers: TierWrapper | None = None) -> None:
+        self.config = config
+        self.source = source
+        self.injectors: list[FaultInjector] = []  # the faults section's, once opened
+        self._wrap = wrap_tiers
+        self._manager: AsyncKVManager | None = None
+        self._connector: Connector | None = None
+        self._tmp: str | None = None
+        self._state = "new"  # -> open -> closed
+
+    def _opened(self) -> AsyncKVManager:
+        if self._manager is None:
+            raise RuntimeError(f"the plugin is {self._state}: open it first "
+                               "(async with load_plugin(...) as plugin)")
+        return self._manager
+
+    @property
+    def manager(self) -> AsyncKVManager:
+        """The engine-facing manager (still readable after closing: its stats)."""
+        return self._opened()
+
+    @property
+    def connector(self) -> Connector | None:
+        """The tiers (a TieredConnector when several); None when offload is off."""
+        self._opened()
+        return self._connector
+
+    @property
+    def tier_labels(self) -> list[str]:
+        return [TIER_LABELS.get(t, t) for t in self.manager.tiers]
+
+    async def open(self) -> Plugin:
+        """Build the core, the tiers and the manager (once)."""
+        if self._state != "new":
+            raise RuntimeError(f"the plugin is already {self._state}")
+        self._state = "opening"
+        try:
+            self._build()
+        except BaseException:
+            self._state = "closed"
+            await self._cleanup()
+            raise
+        self._state = "open"
+        return self
+
+    def _build(self) -> None:
+        cfg = self.config
+        disk_root = cfg.offload.disk_path
+        if cfg.offload.enabled and cfg.offload.local_disk is not None and disk_root is None:
+            self._tmp = disk_root = tempfile.mkdtemp(prefix="kvplugin-disk-")
+        elif disk_root is not None:
+            os.makedirs(disk_root, exist_ok=True)
+        core, ctx = build_core(cfg.layout, cfg.model)
+        wrap = _both(fault_wrapper(cfg.faults, self.injectors), self._wrap)
+        self._connector = _combine(build_tiers(cfg.offload, disk_root, wrap))
+        try:
+            policy = cfg.tenants.policy(tier_quotas=cfg.offload.enabled)
+            self._manager = AsyncKVManager(core, self._connector, offload_config(cfg),
+                                           hash_context=ctx, tenants=policy)
+        except ValueError as e:
+            # The manager refuses what the config alone cannot show: a layout offload does
+            # not serve, a quota on a tier an extra connector does not have.
+            raise ConfigError(f"{self.source}: the offload manager refuses this "
+                              f"configuration: {e}") from None
+
+    async def _cleanup(self) -> None:
+        try:
+            if self._manager is not None:
+                await self._manager.aclose()  # cancels its jobs, closes the tiers
+            elif self._connector is not None:
+                await self._connector.aclose()  # the disk tier holds its directory's lock
+        finally:
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None
+
+    async def aclose(self) -> None:
+        """Close the manager (its jobs cancelled and awaited, the tiers closed) and remove
+        a temporary disk directory. Idempotent."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closed"
+        await self._cleanup()
+
+    async def __aenter__(self) -> Plugin:
+        return self if self._state == "open" else await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def load_plugin(config: str | os.PathLike[str] | KVPluginConfig | None = None, *,
+                env: Mapping[str, str] | None = None,
+                wrap_tiers: TierWrapper | None = None) -> Plugin:
+    """The plugin of a deployment config: a file (YAML / TOML / JSON), a validated
+    :class:`KVPluginConfig`, or None (``KVPLUGIN_CONFIG_FILE``, else the embedded
+    default). File configs take the environment's overrides (``env``: os.environ).
+    ``wrap_tiers`` wraps each tier after its fault injector (tests)."""
+    if isinstance(config, KVPluginConfig):
+        return Plugin(config, wrap_tiers=wrap_tiers)
+    cfg = _load_config(config, env)
+    source = os.fspath(config) if config is not None else "the default config"
+    return Plugin(cfg, source=source, wrap_tiers=wrap_tiers)

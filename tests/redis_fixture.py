@@ -1,0 +1,50 @@
+"""A redis-server of the test's own on a free loopback port (never 127.0.0.1:6379).
+
+Import the fixture into a test module (``from redis_fixture import local_redis``). When
+``redis-server`` is missing or does not start, the tests using it skip, unless
+``KVPLUGIN_REQUIRE_REDIS=1`` (CI), where they fail: the same rule as tests/connectors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from connectors.faults import LocalRedisServer
+
+__all__ = ["clean_env", "local_redis", "start_local_redis"]
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
+        pytest.fail(f"{message} and KVPLUGIN_REQUIRE_REDIS=1")
+    pytest.skip(message)
+
+
+def start_local_redis(workdir: str) -> LocalRedisServer:
+    server = LocalRedisServer(workdir)
+    if not LocalRedisServer.available():
+        _unavailable("redis-server is not available")
+    try:
+        server.start()
+    except RuntimeError as exc:
+        _unavailable(f"redis-server did not start: {exc}")
+    return server
+
+
+@pytest.fixture(scope="module")
+def local_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisServer]:
+    """One server per test module; each test picks its own database for a clean slate."""
+    server = start_local_redis(str(tmp_path_factory.mktemp("redis")))
+    yield server
+    server.kill()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a ``kvplugin`` subprocess: no KVPLUGIN_* setting from the caller
+    (they would override the config under test), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGIN_")}
+    env.update(extra)
+    return env
