@@ -102,6 +102,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from kvplugin.config import ConfigError, load_config
 
+    problem = _check_run_flags(args)
+    if problem is not None:
+        print(f"kvplugin run: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
@@ -110,34 +114,91 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("num_requests", args.requests), ("seed", args.seed))
                  if v is not None}
     cfg = cfg.model_copy(update={"workload": cfg.workload.model_copy(update=overrides)})
-    source = args.config or "the embedded default config"
+    source = (args.config or os.environ.get("KVPLUGIN_CONFIG_FILE")
+              or "the embedded default config")
+    if args.compare_no_offload and not cfg.offload.enabled:
+        print("kvplugin run: --compare-no-offload needs a config with offload enabled",
+              file=sys.stderr)
+        return 2
     if args.core_only or args.save_trace:
         return _run_core(cfg, args, source)
-    from kvplugin.engine.build import engine_supports
+    from kvplugin.engine.build import check_workload, engine_supports
 
     reason = engine_supports(cfg.layout, cfg.model)
     if reason is not None:
         print(f"kvplugin run: {reason}; running the core-only simulation", file=sys.stderr)
         return _run_core(cfg, args, source)
+    try:
+        check_workload(cfg, source)
+    except ConfigError as e:
+        print(f"kvplugin run: {e}", file=sys.stderr)
+        return 2
     return _run_engine(cfg, args, source)
 
 
 def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
-    from kvplugin.engine.run import run_engine
+    from kvplugin.engine.progress import ProgressBar, wanted
+    from kvplugin.engine.report import compare_table, comparison
+    from kvplugin.engine.run import run_compare, run_engine
 
-    report = run_engine(cfg)
-    if args.json:
-        print(json.dumps(report.as_dict()))
+    show = wanted(args.progress, json=args.json, stream=sys.stderr)
+
+    def bar(label: str) -> ProgressBar | None:
+        return ProgressBar(sys.stderr, desc=label) if show else None
+
+    port, linger = args.metrics_port, args.metrics_linger
+    if args.compare_no_offload:
+        on, off = run_compare(cfg, progress=bar, metrics_port=port, metrics_linger_s=linger)
     else:
-        print(f"kvplugin: served {source} on the async engine, offload to "
-              f"{' + '.join(report.extra['tiers'])}")
-        print(report.table())
-    return 0 if report.ok() else 1
+        on = run_engine(cfg, progress=bar("requests"), metrics_port=port,
+                        metrics_linger_s=linger)
+        off = None
+    if args.plot:
+        from kvplugin.engine.plot import plot_runs
+
+        plot_runs(args.plot, on, off)
+        print(f"kvplugin: wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        out = on.as_dict()
+        if off is not None:
+            out["no_offload"] = off.as_dict()
+            out["comparison"] = comparison(on, off)
+        print(json.dumps(out))
+    else:
+        tiers = on.extra["tiers"]
+        print(f"kvplugin: served {source} on the async engine, "
+              + (f"offload to {' + '.join(tiers)}" if tiers else "offload off"))
+        print(on.table())
+        if off is not None:
+            print("\nthe same requests with offload off:")
+            print(compare_table(on, off))
+    return 0 if on.ok() and (off is None or off.ok()) else 1
+
+
+# Flags only the engine run has; the core-only simulation says it ignores them.
+ENGINE_ONLY = ("compare_no_offload", "plot", "metrics_port")
+
+
+def _check_run_flags(args: argparse.Namespace) -> str | None:
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        return f"--metrics-port must be 0..65535, got {args.metrics_port}"
+    if args.metrics_linger < 0:
+        return f"--metrics-linger must be >= 0, got {args.metrics_linger}"
+    if args.metrics_linger and args.metrics_port is None:
+        return "--metrics-linger needs --metrics-port"
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        return f"--plot {args.plot}: no such directory"
+    return None
 
 
 def _run_core(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
     from kvplugin.sim import Simulation
 
+    ignored = [f"--{f.replace('_', '-')}" for f in ENGINE_ONLY if getattr(args, f)
+               not in (None, False)]
+    if ignored:
+        print(f"kvplugin run: the core-only simulation ignores {', '.join(ignored)}",
+              file=sys.stderr)
     sim = Simulation(cfg.layout.as_trace_config(), cfg.workload, cfg.limits)
     r = sim.run()
     if args.save_trace:
@@ -164,6 +225,8 @@ def _run_core(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvplugin.validate_cli import add_parser as add_validate_parser
+
     ap = argparse.ArgumentParser(prog="kvplugin", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay conformance traces on kvplugin's core")
@@ -186,7 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "no offload)")
     run.add_argument("--json", action="store_true",
                      help="print the report as one JSON object (the last line)")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="draw a progress bar on stderr (default: on a terminal, not with "
+                          "--json)")
+    run.add_argument("--compare-no-offload", action="store_true",
+                     help="serve the same requests again with offload off and compare")
+    run.add_argument("--plot", metavar="FILE.png",
+                     help="plot the hit share by tier and the TTFT over time to FILE.png")
+    run.add_argument("--metrics-port", type=int, metavar="N",
+                     help="serve Prometheus metrics on 127.0.0.1:N during the run (0: any "
+                          "free port)")
+    run.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                     help="keep serving metrics this long after the run (default 0)")
     run.set_defaults(func=cmd_run)
+    add_validate_parser(sub)
     return ap
 
 
@@ -196,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("replay", "run"):
         # A refused reset_prefix_cache is a recorded result of the trace, not news.
         logging.getLogger("kvplugin.core").setLevel(logging.ERROR)
+    if getattr(args, "metrics_port", None) is not None:
+        # Where to scrape (the port is chosen here when asked for 0).
+        logging.getLogger("kvplugin.engine.run").setLevel(logging.INFO)
     rc: int = args.func(args)
     return rc
 

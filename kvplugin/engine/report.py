@@ -1,23 +1,64 @@
 """The run report: the JSON object ``kvplugin run --json`` prints last (a contract other tools
-check: the keys of :data:`CONTRACT_KEYS` are always there), and a readable table."""
+check: the keys of :data:`CONTRACT_KEYS` are always there), a readable summary table, and
+the side-by-side table of a run with offload against the same workload without it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CONTRACT_KEYS", "RunReport", "percentile"]
+if TYPE_CHECKING:
+    from kvplugin.engine.workload import RequestSpec
+
+__all__ = ["CONTRACT_KEYS", "RunReport", "Sample", "TenantRow", "compare_table", "comparison",
+           "percentile"]
 
 CONTRACT_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens", "hit_tokens",
                  "loads", "load_failures", "stores", "stores_shed", "kv_mismatches",
                  "cross_tenant_hits", "leaked_blocks", "loop_lag_p99_ms", "wall_s")
 
+MIB = 1 << 20
 
-def percentile(values: list[float], q: float) -> float:
+
+def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One finished request, with the engine's cumulative counters at that moment (a hit is
+    counted at admission, not per request, so the time series is cumulative)."""
+
+    t_s: float  # finish time, seconds after the start
+    tenant: str
+    ttft_s: float | None
+    prompt_tokens: int  # the engine's, so far (requests admitted or waiting)
+    computed_prompt_tokens: int  # so far
+    hit_tokens: Mapping[str, int]  # so far: "device" and each tier's label
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRow:
+    requests: int
+    prompt_tokens: int  # of its finished requests
+    hit_tokens: int
+    queried_tokens: int  # of its prefix-cache queries (one per admission: the hit rate's)
+    ttft_p50_ms: float
+
+    @property
+    def hit_share(self) -> float:
+        """Hit tokens over the tokens queried: a preempted request queries, and may hit,
+        again, so its prompt tokens alone would let the share pass 100%."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "hit_tokens": self.hit_tokens, "queried_tokens": self.queried_tokens,
+                "hit_share": round(self.hit_share, 4), "ttft_p50_ms": self.ttft_p50_ms}
 
 
 @dataclass(slots=True)
@@ -37,19 +78,40 @@ class RunReport:
     leaked_blocks: int = 0
     loop_lag_p99_ms: float = 0.0
     wall_s: float = 0.0
+    per_tenant: dict[str, TenantRow] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Not in the JSON: the time series (for --plot) and the specs served (for a rerun).
+    timeline: list[Sample] = field(default_factory=list, repr=False)
+    specs: Sequence[RequestSpec] = field(default=(), repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in CONTRACT_KEYS}
         out["failed"] = self.failed
         out["loop_lag_p99_ms"] = round(self.loop_lag_p99_ms, 3)
         out["wall_s"] = round(self.wall_s, 3)
+        out["per_tenant"] = {t: row.as_dict() for t, row in self.per_tenant.items()}
         out.update(self.extra)
         return out
 
     @property
     def tier_hits(self) -> int:
         return sum(n for tier, n in self.hit_tokens.items() if tier != "device")
+
+    @property
+    def throughput(self) -> float:
+        """Finished requests per second of wall time."""
+        return self.finished / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def processed_tokens(self) -> int:
+        """Prompt tokens the engine served, each from a hit or computed (a preempted
+        request's again): the shares' denominator, so they sum to 100%."""
+        return sum(self.hit_tokens.values()) + self.computed_prompt_tokens
+
+    def share(self, tokens: int) -> float:
+        """``tokens`` as a share of the processed prompt tokens."""
+        n = self.processed_tokens
+        return tokens / n if n else 0.0
 
     def ok(self) -> bool:
         """Every request finished, the KV was right, nothing leaked."""
@@ -68,28 +130,106 @@ class RunReport:
                                  f"{x.get('state_mismatches', 0)} wrong")]
 
     def table(self) -> str:
+        """The summary: totals, then where the prompt tokens came from (per tier, with the
+        bytes each tier took and gave), then per tenant."""
         x = self.extra
-        hits = ", ".join(f"{k} {v}" for k, v in self.hit_tokens.items())
-        saved = (self.prompt_tokens - self.computed_prompt_tokens) / self.prompt_tokens \
-            if self.prompt_tokens else 0.0
         rows = [
             ("requests", f"{self.finished}/{self.requests} finished ({self.failed} failed), "
                          f"{x.get('steps', 0)} steps, {x.get('preemptions', 0)} preemptions"),
             ("prompt tokens", f"{self.prompt_tokens}, computed {self.computed_prompt_tokens} "
-                              f"({saved:.1%} not recomputed)"),
-            ("hit tokens", hits),
+                              f"(recomputations included)"),
+            ("hit tokens", f"{sum(self.hit_tokens.values())} "
+                           f"({self.share(sum(self.hit_tokens.values())):.1%} of the prompt "
+                           f"tokens processed), {self.tier_hits} from the tiers"),
             ("loads", f"{self.loads} ({self.load_failures} failed, "
-                      f"{x.get('loaded_chunks', 0)} objects)"),
+                      f"{x.get('loaded_chunks', 0)} objects, "
+                      f"{x.get('recomputed_tokens', 0)} claimed tokens recomputed)"),
             ("stores", f"{self.stores} objects ({self.stores_shed} shed, "
                        f"{x.get('stores_failed', 0)} failed)"),
             ("KV checks", f"{x.get('pages_checked', 0)} pages, {self.kv_mismatches} mismatches, "
                           f"{self.cross_tenant_hits} cross-tenant"),
             *self._state_rows(),
             ("leaked blocks", str(self.leaked_blocks)),
-            ("latency", f"TTFT p50 {x.get('ttft_p50_ms', 0)} ms, p99 "
-                        f"{x.get('ttft_p99_ms', 0)} ms; loop lag p99 "
-                        f"{self.loop_lag_p99_ms:.2f} ms ({x.get('loop', '?')})"),
+            ("TTFT", f"p50 {x.get('ttft_p50_ms', 0)} ms, p99 {x.get('ttft_p99_ms', 0)} ms"),
+            ("step latency", f"p50 {x.get('step_ms_p50', 0)} ms, p99 "
+                             f"{x.get('step_ms_p99', 0)} ms"),
+            ("loop lag", f"p99 {self.loop_lag_p99_ms:.2f} ms ({x.get('loop', '?')})"),
             ("wall time", f"{self.wall_s:.2f} s"),
         ]
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}} : {v}" for k, v in rows)
+        lines = [f"{k:<{width}} : {v}" for k, v in rows]
+        return "\n".join([*lines, "", self.sources_table(), "", self.tenant_table()])
+
+    def sources_table(self) -> str:
+        """Prompt tokens by where they came from; a tier's bytes stored and loaded."""
+        stored = self.extra.get("bytes_stored", {})
+        loaded = self.extra.get("bytes_loaded", {})
+        rows = [["source", "tokens", "share", "stored MiB", "loaded MiB"]]
+        for src, n in self.hit_tokens.items():
+            tier = src != "device"
+            rows.append([src, str(n), f"{self.share(n):.1%}",
+                         mib(stored.get(src, 0)) if tier else "-",
+                         mib(loaded.get(src, 0)) if tier else "-"])
+        rows.append(["recomputed", str(self.computed_prompt_tokens),
+                     f"{self.share(self.computed_prompt_tokens):.1%}", "-", "-"])
+        return render(rows) + ("\n* share: of the prompt tokens processed, each a hit or "
+                               "recomputed (a preempted request's again)")
+
+    def tenant_table(self) -> str:
+        rows = [["tenant", "requests", "prompt tokens", "queried", "hit tokens", "hit share",
+                 "TTFT p50 ms"]]
+        for tenant, r in sorted(self.per_tenant.items()):
+            rows.append([tenant, str(r.requests), str(r.prompt_tokens), str(r.queried_tokens),
+                         str(r.hit_tokens), f"{r.hit_share:.1%}", f"{r.ttft_p50_ms:.2f}"])
+        return render(rows)
+
+
+def mib(n: int) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def render(rows: Sequence[Sequence[str]]) -> str:
+    """Columns aligned: the first to the left, the others (numbers) to the right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     for r in rows)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def comparison(on: RunReport, off: RunReport) -> dict[str, float | None]:
+    """Offload on over off (None where off is zero): below 1 for the recomputation and the
+    TTFT, above 1 for the throughput, when offload pays."""
+    return {
+        "recompute_ratio": _ratio(on.computed_prompt_tokens, off.computed_prompt_tokens),
+        "ttft_p50_ratio": _ratio(on.extra.get("ttft_p50_ms", 0.0),
+                                 off.extra.get("ttft_p50_ms", 0.0)),
+        "throughput_ratio": _ratio(on.throughput, off.throughput),
+    }
+
+
+def compare_table(on: RunReport, off: RunReport) -> str:
+    """The two runs of the same workload side by side, then the ratios."""
+    def row(name: str, f: Any) -> list[str]:
+        return [name, str(f(on)), str(f(off))]
+
+    sources = list(dict.fromkeys([*on.hit_tokens, *off.hit_tokens]))
+    rows = [
+        ["", "offload on", "offload off"],
+        row("requests finished", lambda r: f"{r.finished}/{r.requests}"),
+        row("prompt tokens", lambda r: r.prompt_tokens),
+        row("computed prompt tokens", lambda r: r.computed_prompt_tokens),
+        *(row(f"hit tokens {s}", lambda r, s=s: r.hit_tokens.get(s, 0)) for s in sources),
+        row("TTFT p50 ms", lambda r: r.extra.get("ttft_p50_ms", 0)),
+        row("TTFT p99 ms", lambda r: r.extra.get("ttft_p99_ms", 0)),
+        row("step p50 ms", lambda r: r.extra.get("step_ms_p50", 0)),
+        row("step p99 ms", lambda r: r.extra.get("step_ms_p99", 0)),
+        row("requests/s", lambda r: f"{r.throughput:.2f}"),
+        row("wall s", lambda r: f"{r.wall_s:.2f}"),
+    ]
+    ratios = ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}"
+                       for k, v in comparison(on, off).items())
+    return render(rows) + f"\nratios (on / off): {ratios}"

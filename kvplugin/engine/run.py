@@ -3,26 +3,42 @@
 Clients arrive in real time (a follow-up a think time after its parent's answer), the
 engine serves them, and at the end the manager drains its stores and closes; only then are
 leaks counted: blocks not back in the core's free pool, plus jobs still pending.
+:func:`serve_compare` serves the same requests again with offload off, for the ratios.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from connectors.base import ConnectorStats
+from connectors.tiered import TieredConnector
 from kvplugin.config import KVPluginConfig
-from kvplugin.engine.build import Deployment, TierWrapper, deployment
+from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
-from kvplugin.engine.report import RunReport, percentile
+from kvplugin.engine.progress import Progress, follow, hits_by_source, postfix
+from kvplugin.engine.report import RunReport, Sample, TenantRow, percentile
 from kvplugin.engine.scheduler import Engine, Result
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate, kinds
 
-__all__ = ["drive", "max_prompt_len", "report", "run_engine", "serve"]
+if TYPE_CHECKING:
+    from kvplugin.metrics import MetricsServer
+
+__all__ = ["drive", "max_prompt_len", "report", "run_compare", "run_engine", "serve",
+           "serve_compare", "without_offload", "workload_specs"]
+
+logger = logging.getLogger(__name__)
+
+ProgressFor = Callable[[str], Progress | None]  # a run's label -> its bar (or none)
 
 
-async def drive(engine: Engine, specs: Sequence[RequestSpec]) -> dict[str, Result]:
-    """Serve ``specs`` on ``engine`` (which this runs) until every one has finished."""
+async def drive(engine: Engine, specs: Sequence[RequestSpec], *,
+                on_finish: Callable[[Result], None] | None = None) -> dict[str, Result]:
+    """Serve ``specs`` on ``engine`` (which this runs) until every one has finished;
+    ``on_finish`` sees each result as its client gets it."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     done: dict[str, Finished] = {}
@@ -36,8 +52,12 @@ async def drive(engine: Engine, specs: Sequence[RequestSpec]) -> dict[str, Resul
         await asyncio.sleep(max(0.0, start + spec.at_s - loop.time()))
         res = await engine.generate(spec.request_id, build_prompt(spec, done),
                                     tenant=spec.tenant, max_tokens=spec.max_tokens,
-                                    cache_salt=spec.cache_salt, lora=spec.lora)
+                                    cache_salt=spec.cache_salt, lora=spec.lora,
+                                    prefix_group=spec.prefix_group,
+                                    shared_prefix_tokens=spec.shared_prefix_tokens)
         results[spec.request_id] = res
+        if on_finish is not None:
+            on_finish(res)
         done[spec.request_id] = Finished(res.prompt, res.output)
         ended[spec.request_id].set()
 
@@ -56,24 +76,83 @@ async def drive(engine: Engine, specs: Sequence[RequestSpec]) -> dict[str, Resul
 
 
 async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
-                specs: Sequence[RequestSpec] | None = None) -> RunReport:
-    """Build the deployment, serve the workload (``specs``, or the config's), close, report."""
+                specs: Sequence[RequestSpec] | None = None, progress: Progress | None = None,
+                metrics_port: int | None = None, metrics_linger_s: float = 0.0) -> RunReport:
+    """Build the deployment, serve the workload (``specs``, or the config's), close, report.
+    ``progress`` gets the requests finished every 100 ms; with ``metrics_port`` the
+    deployment is scraped there (0: a free port) until ``metrics_linger_s`` after the end."""
     t0 = time.perf_counter()
     probe = LagProbe(cfg.engine.lag_probe_ms / 1000)
     probe.start()
+    metrics: MetricsServer | None = None
     try:
-        async with deployment(cfg, wrap_tiers=wrap_tiers) as dep:
-            if specs is None:
-                specs = generate(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg))
-            results = await drive(dep.engine, specs)
-            await dep.mgr.drain()
-        wall = time.perf_counter() - t0
+        try:
+            async with deployment(cfg, wrap_tiers=wrap_tiers) as dep:
+                if metrics_port is not None:
+                    from kvplugin.metrics import start_metrics_server
+
+                    metrics = start_metrics_server(dep, port=metrics_port)
+                    logger.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
+                if specs is None:
+                    specs = workload_specs(dep, cfg)
+                results, timeline = await _served(dep, specs, progress)
+                await dep.mgr.drain()
+            wall = time.perf_counter() - t0
+        finally:
+            await probe.stop()
+        out = report(dep, results, wall, probe)
+        if metrics is not None and metrics_linger_s > 0:
+            await asyncio.sleep(metrics_linger_s)  # the final numbers, for a last scrape
     finally:
-        await probe.stop()
-    out = report(dep, results, wall, probe)
+        if metrics is not None:
+            metrics.close()
+    out.timeline, out.specs = timeline, specs
     out.extra["workload"] = kinds(specs)
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return out
+
+
+def workload_specs(dep: Deployment, cfg: KVPluginConfig) -> list[RequestSpec]:
+    """The config's workload, with the tenants and prefix groups the config declares."""
+    tenants, groups = workload_tenancy(cfg)
+    return generate(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg), tenants=tenants,
+                    prefix_groups=groups)
+
+
+async def _served(dep: Deployment, specs: Sequence[RequestSpec], progress: Progress | None
+                  ) -> tuple[dict[str, Result], list[Sample]]:
+    """:func:`drive`, recording the time series and feeding the progress bar (from a task
+    of its own: the engine's step never waits for the terminal)."""
+    es, labels = dep.engine.stats, _labels(dep)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    timeline: list[Sample] = []
+
+    def finished(res: Result) -> None:
+        timeline.append(Sample(loop.time() - start, res.tenant, res.ttft_s, es.prompt_tokens,
+                               es.computed_prompt_tokens, hits_by_source(es, labels)))
+
+    def now() -> tuple[int, str]:
+        return es.finished, postfix(hits_by_source(es, labels), es.computed_prompt_tokens)
+
+    ticker = None
+    if progress is not None:
+        progress.begin(len(specs))
+        ticker = loop.create_task(follow(now, progress), name="progress")
+    try:
+        results = await drive(dep.engine, specs, on_finish=finished)
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            await asyncio.wait([ticker])  # not gather: a cancelled serve stays cancelled
+        if progress is not None:
+            progress.end()
+    return results, timeline
+
+
+def _labels(dep: Deployment) -> dict[str, str]:
+    """Tier kind (the engine's and the manager's key) -> the report's name for it."""
+    return dict(zip(dep.mgr.tiers, dep.tier_labels, strict=True))
 
 
 def max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
@@ -92,26 +171,29 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
     es, model = dep.engine.stats, dep.model
     ms = dep.mgr.stats()
     pool = dep.mgr.core.block_pool
-    hits = {"device": es.device_hit_tokens}
-    for tier, label in zip(dep.mgr.tiers, dep.tier_labels, strict=True):
-        hits[label] = hits.get(label, 0) + es.tier_hit_tokens.get(tier, 0)
+    labels = _labels(dep)
     ttft = [r.ttft_s * 1000 for r in results.values() if r.ttft_s is not None]
+    steps = [s * 1000 for s in es.step_s]
     out = RunReport(
         requests=es.requests, finished=es.finished, failed=es.failed,
         prompt_tokens=es.prompt_tokens, computed_prompt_tokens=es.computed_prompt_tokens,
-        hit_tokens=hits, loads=ms.loads, load_failures=ms.loads_failed + ms.loads_cancelled,
+        hit_tokens=hits_by_source(es, labels), loads=ms.loads,
+        load_failures=ms.loads_failed + ms.loads_cancelled,
         stores=ms.stored_chunks, stores_shed=ms.stores_shed,
         kv_mismatches=model.kv_mismatches, cross_tenant_hits=model.cross_tenant_hits,
         leaked_blocks=(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         + dep.mgr.num_pending_jobs,
-        loop_lag_p99_ms=probe.percentile(99) * 1000 if probe else 0.0, wall_s=wall)
+        loop_lag_p99_ms=probe.percentile(99) * 1000 if probe else 0.0, wall_s=wall,
+        per_tenant=tenant_rows(dep, results))
+    stored, loaded = tier_bytes(dep)
     out.extra.update(
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
-        lookup_refreshes=es.lookup_refreshes,
+        lookup_refreshes=es.lookup_refreshes, queried_tokens=ms.queried_tokens,
         lookups=ms.lookups, lookup_timeouts=ms.lookup_timeouts, loaded_chunks=ms.loaded_chunks,
         recomputed_tokens=ms.recomputed_tokens, store_jobs=ms.stores,
         stores_failed=ms.stores_failed, stores_deduplicated=ms.stores_deduplicated,
+        bytes_stored=stored, bytes_loaded=loaded,
         pages_checked=model.pages_checked, states_checked=model.states_checked,
         state_mismatches=model.state_mismatches, loaded_states=ms.loaded_states,
         stored_states=ms.stored_states, partial_tails=ms.partial_tails,
@@ -119,11 +201,77 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
         states_dropped=ms.states_dropped, computed_tokens=es.computed_tokens,
         simulated_compute_s=round(model.busy_s, 3),
         ttft_p50_ms=round(percentile(ttft, 50), 2), ttft_p99_ms=round(percentile(ttft, 99), 2),
+        step_ms_p50=round(percentile(steps, 50), 3), step_ms_p99=round(percentile(steps, 99), 3),
         pool_blocks=pool.num_gpu_blocks - 1)
     return out
 
 
-def run_engine(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None) -> RunReport:
+def tier_bytes(dep: Deployment) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes written to and verified bytes read from each tier, as the tiers count them (a
+    tier above another also counts the objects promoted into it)."""
+    conn = dep.connector
+    if conn is None:  # offload off
+        return {}, {}
+    parts: list[ConnectorStats] = (conn.tier_stats() if isinstance(conn, TieredConnector)
+                                   else [conn.stats()])
+    stored: dict[str, int] = {}
+    loaded: dict[str, int] = {}
+    for label, st in zip(dep.tier_labels, parts, strict=True):
+        stored[label] = stored.get(label, 0) + st.bytes_out
+        loaded[label] = loaded.get(label, 0) + st.bytes_in
+    return stored, loaded
+
+
+def tenant_rows(dep: Deployment, results: Mapping[str, Result]) -> dict[str, TenantRow]:
+    """Per tenant: requests, prompt tokens and TTFT from the results; hit and queried
+    tokens from the manager (the engine counts hits in total only)."""
+    by_tenant: dict[str, list[Result]] = {}
+    for r in results.values():
+        by_tenant.setdefault(r.tenant, []).append(r)
+    stats = dep.mgr.tenant_stats()
+    out = {}
+    for tenant, rs in sorted(by_tenant.items()):
+        ts = stats.get(tenant)
+        ttft = [r.ttft_s * 1000 for r in rs if r.ttft_s is not None]
+        out[tenant] = TenantRow(len(rs), sum(len(r.prompt) for r in rs),
+                                sum(ts.hit_tokens.values()) if ts is not None else 0,
+                                ts.queried_tokens if ts is not None else 0,
+                                round(percentile(ttft, 50), 2))
+    return out
+
+
+def without_offload(cfg: KVPluginConfig) -> KVPluginConfig:
+    """The same deployment with offload off: the device cache alone."""
+    return cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"enabled": False})})
+
+
+async def serve_compare(cfg: KVPluginConfig, *, progress: ProgressFor | None = None,
+                        metrics_port: int | None = None, metrics_linger_s: float = 0.0
+                        ) -> tuple[RunReport, RunReport]:
+    """The workload with offload as configured, then the very same requests (same specs)
+    with offload off. The metrics endpoint, if any, serves the first run."""
+    bar = progress or (lambda _label: None)
+    on = await serve(cfg, progress=bar("offload on"), metrics_port=metrics_port,
+                     metrics_linger_s=metrics_linger_s)
+    off = await serve(without_offload(cfg), specs=on.specs, progress=bar("offload off"))
+    return on, off
+
+
+def _use_uvloop(cfg: KVPluginConfig) -> bool:
+    return cfg.engine.uvloop and uvloop_available()
+
+
+def run_engine(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
+               progress: Progress | None = None, metrics_port: int | None = None,
+               metrics_linger_s: float = 0.0) -> RunReport:
     """:func:`serve` on a fresh event loop (uvloop when configured and installed)."""
-    return run(serve(cfg, wrap_tiers=wrap_tiers),
-               use_uvloop=cfg.engine.uvloop and uvloop_available())
+    return run(serve(cfg, wrap_tiers=wrap_tiers, progress=progress, metrics_port=metrics_port,
+                     metrics_linger_s=metrics_linger_s), use_uvloop=_use_uvloop(cfg))
+
+
+def run_compare(cfg: KVPluginConfig, *, progress: ProgressFor | None = None,
+                metrics_port: int | None = None, metrics_linger_s: float = 0.0
+                ) -> tuple[RunReport, RunReport]:
+    """:func:`serve_compare` on a fresh event loop."""
+    return run(serve_compare(cfg, progress=progress, metrics_port=metrics_port,
+                             metrics_linger_s=metrics_linger_s), use_uvloop=_use_uvloop(cfg))

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,13 @@ from kvplugin.engine.model import FakeModel, Work
 __all__ = ["Engine", "EngineRequest", "EngineStats", "Result", "SchedulerLimits"]
 
 logger = logging.getLogger(__name__)
+
+# A request waiting at the head of a full pool sees its device hit shrink step after step
+# (the requests admitted past it evict it); each stale lookup is redone, up to this many
+# times. On LMCache's multi-round QA shape (benchmarks/end_to_end.py --quick), with 2 the
+# offload-on run computed 42.6k prompt tokens, with 8 33.4k (what the tiers held, computed
+# again by requests admitted on a stale lookup).
+MAX_LOOKUP_REFRESHES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,8 @@ class EngineStats:
     kv_events: int = 0
     restored_states: int = 0  # Mamba states a request resumed from after a load
     restored_partial_states: int = 0  # of those, at a boundary inside a Mamba block
+    # Wall time of every step that ran (schedule, model, bookkeeping), for latency figures.
+    step_s: list[float] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -143,13 +153,22 @@ class Engine:
 
     # ------------------------------------------------------------------ submitting
     def add_request(self, request_id: str, prompt: Sequence[int], *, tenant: str,
-                    max_tokens: int, cache_salt: str | None = None,
-                    lora: str | None = None) -> asyncio.Future[Result]:
-        """Queue a request; the future resolves when it finished."""
+                    max_tokens: int, cache_salt: str | None = None, lora: str | None = None,
+                    prefix_group: str | None = None,
+                    shared_prefix_tokens: int = 0) -> asyncio.Future[Result]:
+        """Queue a request; the future resolves when it finished. With ``prefix_group`` (a
+        group the deployment declares for the tenant), its first ``shared_prefix_tokens``
+        tokens are the group's shared prefix: the manager may serve them from any member's
+        blocks, and the model computes them as the group's (see ``kvplugin.aio.tenants``)."""
         self._check_fits(request_id, len(prompt), max_tokens)
+        # The manager checks the pair (both or neither, a member, a length it accepts).
+        shared = shared_prefix_tokens if prefix_group is not None or shared_prefix_tokens \
+            else None
         req = self.mgr.new_request(request_id, prompt, tenant=tenant, cache_salt=cache_salt,
-                                   lora_request=self._lora(lora))
-        self.model.add(request_id, req.all_token_ids, tenant, lora)
+                                   lora_request=self._lora(lora), prefix_group=prefix_group,
+                                   shared_prefix_tokens=shared)
+        self.model.add(request_id, req.all_token_ids, tenant, lora, prefix_group=prefix_group,
+                       shared_prefix_tokens=shared_prefix_tokens)
         loop = asyncio.get_running_loop()
         er = EngineRequest(req, tenant, max_tokens, loop.create_future(), loop.time())
         self.stats.requests += 1
@@ -161,9 +180,12 @@ class Engine:
 
     async def generate(self, request_id: str, prompt: Sequence[int], *, tenant: str,
                        max_tokens: int, cache_salt: str | None = None,
-                       lora: str | None = None) -> Result:
+                       lora: str | None = None, prefix_group: str | None = None,
+                       shared_prefix_tokens: int = 0) -> Result:
         return await self.add_request(request_id, prompt, tenant=tenant, max_tokens=max_tokens,
-                                      cache_salt=cache_salt, lora=lora)
+                                      cache_salt=cache_salt, lora=lora,
+                                      prefix_group=prefix_group,
+                                      shared_prefix_tokens=shared_prefix_tokens)
 
     def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
         if prompt_len < 1 or max_tokens < 1:
@@ -223,6 +245,9 @@ class Engine:
         self._stopping = False  # a stop ended the previous run; this one serves anew
         while not (self._stopping and not self.has_work()):
             if await self.step():
+                # No yield here: the next step starts its simulated time at once, and the
+                # I/O that became ready runs inside it (between the model's slices, while it
+                # waits) rather than between steps, where it would delay every step.
                 continue
             if not self._unstick():
                 await self._idle()
@@ -240,18 +265,20 @@ class Engine:
 
     async def step(self) -> bool:
         """Schedule, execute and book one step; False when nothing could be scheduled."""
+        t0 = time.perf_counter()
         self.mgr.core.new_step_starts()
         batch = self.schedule()
         self.stats.kv_events += len(self.mgr.core.take_events())
         if not batch:
-            self._run_checks()
+            await self._run_checks()
             return False
         work = [Work(er.rid, er.req.num_computed_tokens, n,
                      self.mgr.core.get_block_ids(er.rid), self._is_decode(er, n))
                 for er, n in batch]
-        sampled = await self.model.execute(work)
-        self._run_checks()
+        # The checks run once the step's KV is written, while its simulated time runs.
+        sampled = await self.model.execute(work, then=self._run_checks)
         self._update(batch, sampled)
+        self.stats.step_s.append(time.perf_counter() - t0)
         return True
 
     @staticmethod
@@ -327,11 +354,13 @@ class Engine:
         self.waiting.extendleft(reversed(skipped))
 
     def _fresh(self, er: EngineRequest) -> bool:
-        """A tier hit reaches back to where the device hit ended at lookup time; when the
-        device has since evicted some of it the claim would be lost, so look again (twice
-        at most: a pool under pressure may keep shrinking it)."""
+        """The tiers were asked only beyond where the device hit ended at lookup time; when
+        the device has since evicted some of it, what the tiers hold there is unknown (a
+        claim would be lost, or never made: a lookup that found nothing beyond a long
+        device hit says nothing about the blocks evicted since), so look again, at most
+        :data:`MAX_LOOKUP_REFRESHES` times: a pool under pressure may keep shrinking it."""
         lk = er.lookup
-        if lk is None or not lk.external_tokens or er.refreshes >= 2:
+        if lk is None or er.refreshes >= MAX_LOOKUP_REFRESHES:
             return True
         _, local, _ = self.mgr.core.get_computed_blocks(er.req)
         if local >= lk.local_tokens:
@@ -367,11 +396,15 @@ class Engine:
         if end > start:
             self._checks.append((er, start, end))
 
-    def _run_checks(self) -> None:
+    async def _run_checks(self) -> None:
+        """The queued checks, each in slices (the loop runs in between): nothing frees or
+        rewrites a request's checked blocks meanwhile, since only the step's bookkeeping
+        (after this) finishes or preempts requests."""
         checks, self._checks = self._checks, []
         for er, start, end in checks:
             if er.holds_blocks:  # a load that kept nothing has given the blocks back
-                self.model.check(er.rid, self.mgr.core.get_block_ids(er.rid), start, end)
+                await self.model.acheck(er.rid, self.mgr.core.get_block_ids(er.rid), start,
+                                        end)
 
     # ------------------------------------------------------------------ loads
     def _park(self, er: EngineRequest) -> None:

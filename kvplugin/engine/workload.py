@@ -8,8 +8,16 @@ resends. A pure function of the workload config and its seed.
   finished; a resend repeats an earlier prompt exactly (a retry, a regenerate).
 * Document QA asks a question about one of the tenant's own documents, after a system prompt.
 
+* Prefix groups: a tenant that belongs to a group (``prefix_groups``) declares the group and
+  its system prompt's length with every request, so the members share that prefix's KV.
+
 Follow-ups and resends depend on when their parent finishes, so a request spec says what
 its prompt is made of rather than listing it; :func:`build_prompt` resolves it.
+
+Two more shapes, for benchmarks (and ``kvplugin run`` later): :func:`multi_round_qa`, the
+shape of LMCache's multi-round QA benchmark (users chatting for several rounds over a long
+history, each round resending the conversation), and :func:`no_reuse` (every prompt
+unique: offload can only cost).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from typing import Literal
 
 from kvplugin.config import WorkloadConfig
 
-__all__ = ["Finished", "RequestSpec", "build_prompt", "generate", "kinds"]
+__all__ = ["Finished", "MultiRoundQA", "RequestSpec", "build_prompt", "generate", "kinds",
+           "multi_round_qa", "no_reuse"]
 
 Kind = Literal["chat", "doc_qa", "follow_up", "resend"]
 
@@ -39,6 +48,8 @@ class RequestSpec:
     think_s: float = 0.0  # and how long after the parent finished it arrives, at the earliest
     cache_salt: str | None = None
     lora: str | None = None
+    prefix_group: str | None = None  # the tenant's group, whose prefix the request shares
+    shared_prefix_tokens: int = 0  # that prefix (the system prompt): tokens [0, this)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +70,30 @@ def build_prompt(spec: RequestSpec, done: Mapping[str, Finished]) -> list[int]:
     return [*parent.prompt, *parent.output, *spec.new_tokens]
 
 
+def _tenancy(tenants: Sequence[str] | None, num_tenants: int,
+             prefix_groups: Mapping[str, Sequence[str]] | None) -> tuple[list[str],
+                                                                          dict[str, str]]:
+    """(the tenant names, each grouped tenant's group: its first group in mapping order)."""
+    names = [f"tenant{i}" for i in range(num_tenants)] if tenants is None else list(tenants)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"tenants must be distinct names, at least one, got {names!r}")
+    group_of: dict[str, str] = {}
+    for group, members in (prefix_groups or {}).items():
+        for t in members:
+            if t not in names:
+                raise ValueError(f"prefix group {group!r}: {t!r} is not one of the workload's "
+                                 f"tenants {names}")
+            group_of.setdefault(t, group)
+    return names, group_of
+
+
 class _Gen:
-    def __init__(self, w: WorkloadConfig, max_prompt_len: int) -> None:
+    def __init__(self, w: WorkloadConfig, max_prompt_len: int, tenants: Sequence[str] | None,
+                 prefix_groups: Mapping[str, Sequence[str]] | None) -> None:
         self.w = w
         self.rng = random.Random(w.seed)
         self.max_prompt_len = max_prompt_len
-        self.tenants = [f"tenant{i}" for i in range(w.num_tenants)]
+        self.tenants, self.group_of = _tenancy(tenants, w.num_tenants, prefix_groups)
         self.system = [self._fixed(("system", i), w.system_prompt_len)
                        for i in range(w.num_system_prompts)]
         self.docs = {t: [self._fixed(("doc", t, d), w.document_len)
@@ -96,7 +125,7 @@ class _Gen:
     def _resend(self, index: int, at_s: float, src: RequestSpec) -> RequestSpec:
         return RequestSpec(f"r{index}", src.tenant, "resend", at_s, (), src.max_tokens,
                            src.prompt_len, src.request_id, self._think(), src.cache_salt,
-                           src.lora)
+                           src.lora, src.prefix_group, src.shared_prefix_tokens)
 
     def _follow_up(self, index: int, at_s: float, parent: RequestSpec) -> RequestSpec | None:
         new = self._tokens(self.w.user_len)
@@ -106,7 +135,8 @@ class _Gen:
         self.open.remove(parent)  # a conversation goes on from its latest turn
         return RequestSpec(f"r{index}", parent.tenant, "follow_up", at_s, new,
                            self.rng.randint(*self.w.output_len), n, parent.request_id,
-                           self._think(), parent.cache_salt, parent.lora)
+                           self._think(), parent.cache_salt, parent.lora, parent.prefix_group,
+                           parent.shared_prefix_tokens)
 
     def _fresh(self, index: int, at_s: float) -> RequestSpec:
         w, rng = self.w, self.rng
@@ -117,16 +147,22 @@ class _Gen:
         tokens = (*system, *body, *self._tokens(w.user_len))[:self.max_prompt_len]
         salt = f"user{rng.randrange(3)}" if rng.random() < w.salt_prob else None
         lora = f"adapter{rng.randrange(2)}" if rng.random() < w.lora_prob else None
+        group = self.group_of.get(tenant)
+        shared = min(len(system), len(tokens)) if group is not None else 0
         return RequestSpec(f"r{index}", tenant, kind, at_s, tokens,
-                           rng.randint(*w.output_len), len(tokens), cache_salt=salt, lora=lora)
+                           rng.randint(*w.output_len), len(tokens), cache_salt=salt, lora=lora,
+                           prefix_group=group, shared_prefix_tokens=shared)
 
 
-def generate(w: WorkloadConfig, *, max_prompt_len: int) -> list[RequestSpec]:
+def generate(w: WorkloadConfig, *, max_prompt_len: int, tenants: Sequence[str] | None = None,
+             prefix_groups: Mapping[str, Sequence[str]] | None = None) -> list[RequestSpec]:
     """``w.num_requests`` specs in arrival order (Poisson arrivals at ``requests_per_s``);
-    no prompt is longer than ``max_prompt_len``."""
+    no prompt is longer than ``max_prompt_len``. ``tenants`` names the tenants (default:
+    ``tenant0`` .. for ``w.num_tenants``); a member of a group of ``prefix_groups`` (group ->
+    members) declares the group and its system prompt as the shared prefix."""
     if max_prompt_len < 2:
         raise ValueError(f"max_prompt_len must be at least 2, got {max_prompt_len}")
-    gen = _Gen(w, max_prompt_len)
+    gen = _Gen(w, max_prompt_len, tenants, prefix_groups)
     at = 0.0
     for i in range(w.num_requests):
         spec = gen.spec(i, at)
@@ -142,3 +178,100 @@ def kinds(specs: Sequence[RequestSpec]) -> dict[str, int]:
     for s in specs:
         out[s.kind] = out.get(s.kind, 0) + 1
     return out
+
+
+# --------------------------------------------------------------------------- benchmark shapes
+
+
+@dataclass(frozen=True, slots=True)
+class MultiRoundQA:
+    """The shape of LMCache's multi-round QA benchmark (defaults: its 10 users, 5 rounds,
+    1,000-token system prompt, 2,000-token user history, 100-token answers).
+
+    User ``u`` belongs to tenant ``u % num_tenants`` and joins ``u * user_gap_s`` after the
+    start. Its first round asks ``system prompt + its history + a question``; every later
+    round resends the whole conversation so far (the previous prompt and its answer) plus a
+    new question, ``think_s`` after the previous answer. The system prompt is one per tenant
+    (one per group for the members of a prefix group, who share it)."""
+
+    users: int = 10
+    rounds: int = 5
+    system_prompt_len: int = 1000
+    history_len: int = 2000
+    question_len: int = 50
+    answer_len: int = 100
+    num_tenants: int = 3
+    think_s: float = 0.5
+    user_gap_s: float = 0.25
+    vocab: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("users", "rounds", "system_prompt_len", "question_len", "answer_len",
+                     "num_tenants"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if type(self.history_len) is not int or self.history_len < 0:
+            raise ValueError(f"history_len must be an int >= 0, got {self.history_len!r}")
+        if not (self.think_s >= 0 and self.user_gap_s >= 0) or self.vocab < 2:
+            raise ValueError("think_s and user_gap_s must be >= 0, vocab >= 2")
+
+    def prompt_len(self, round_: int) -> int:
+        """Tokens of the prompt of round ``round_`` (0-based)."""
+        return (self.system_prompt_len + self.history_len + self.question_len
+                + round_ * (self.answer_len + self.question_len))
+
+    @property
+    def working_set_tokens(self) -> int:
+        """Distinct tokens whose KV the whole run may reuse: every user's last round (its
+        prompt and answer), the system prompts counted once per user."""
+        return self.users * (self.prompt_len(self.rounds - 1) + self.answer_len)
+
+
+def _text(seed: int, *what: object, n: int, vocab: int) -> tuple[int, ...]:
+    # Each text has a generator of its own: the same whatever else is generated.
+    rng = random.Random(f"{seed}/{'/'.join(map(str, what))}")
+    return tuple(rng.randrange(vocab) for _ in range(n))
+
+
+def multi_round_qa(shape: MultiRoundQA, *, tenants: Sequence[str] | None = None,
+                   prefix_groups: Mapping[str, Sequence[str]] | None = None
+                   ) -> list[RequestSpec]:
+    """The specs of every round of every user (round-major: every first round, then every
+    second one, ...): a first round is a ``chat``, a later one a ``follow_up`` of the round
+    before it. ``tenants`` and ``prefix_groups`` as for :func:`generate`."""
+    names, group_of = _tenancy(tenants, shape.num_tenants, prefix_groups)
+    s, v = shape, shape.vocab
+    specs: list[RequestSpec] = []
+    for r in range(s.rounds):
+        for u in range(s.users):
+            tenant = names[u % len(names)]
+            group = group_of.get(tenant)
+            new = _text(s.seed, "question", u, r, n=s.question_len, vocab=v)
+            after = f"u{u}r{r - 1}" if r else None
+            if not r:
+                system = _text(s.seed, "system", group or tenant, n=s.system_prompt_len,
+                               vocab=v)
+                new = (*system, *_text(s.seed, "history", u, n=s.history_len, vocab=v), *new)
+            specs.append(RequestSpec(
+                f"u{u}r{r}", tenant, "follow_up" if r else "chat", u * s.user_gap_s, new,
+                s.answer_len, s.prompt_len(r), after, s.think_s if r else 0.0,
+                prefix_group=group, shared_prefix_tokens=s.system_prompt_len if group else 0))
+    return specs
+
+
+def no_reuse(requests: int, *, prompt_len: int, answer_len: int, num_tenants: int = 3,
+             seed: int = 0, vocab: int = 32000,
+             tenants: Sequence[str] | None = None) -> list[RequestSpec]:
+    """``requests`` chats arriving at once, every prompt unique from its first token pair
+    on (the request's index), so no block is ever reused: offload can only cost here."""
+    if requests < 1 or prompt_len < 2 or answer_len < 1 or vocab < 2:
+        raise ValueError("no_reuse needs requests >= 1, prompt_len >= 2, answer_len >= 1")
+    if requests > vocab * vocab:
+        raise ValueError(f"{requests} requests cannot have unique first token pairs")
+    names, _ = _tenancy(tenants, num_tenants, None)
+    return [RequestSpec(f"n{i}", names[i % len(names)], "chat", 0.0,
+                        (i % vocab, i // vocab,
+                         *_text(seed, "unique", i, n=prompt_len - 2, vocab=vocab)),
+                        answer_len, prompt_len)
+            for i in range(requests)]

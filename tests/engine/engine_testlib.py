@@ -53,9 +53,9 @@ def record_steps(dep: Deployment) -> list[list[Work]]:
     steps: list[list[Work]] = []
     inner = dep.model.execute
 
-    async def execute(work: Sequence[Work]) -> list[int | None]:
+    async def execute(work: Sequence[Work], **kwargs: Any) -> list[int | None]:
         steps.append(list(work))
-        return await inner(work)
+        return await inner(work, **kwargs)
 
     dep.model.execute = execute  # type: ignore[method-assign]
     return steps

@@ -4,6 +4,7 @@ faulty tiers, tenants kept apart, and the workload's determinism."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,8 +21,9 @@ from kvplugin.engine.workload import Finished, build_prompt, generate
 
 
 def test_kvplugin_run_json_on_the_default_config() -> None:
+    env = dict(os.environ)
     proc = subprocess.run([sys.executable, "-m", "kvplugin.cli", "run", "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(CONTRACT_KEYS) <= set(out)

@@ -114,3 +114,28 @@ async def test_requests_that_can_never_run_are_refused() -> None:
             dep.engine.add_request("big", list(range(40)), tenant="t", max_tokens=2)
         with pytest.raises(ValueError, match="max_model_len"):
             dep.engine.add_request("long", list(range(2048)), tenant="t", max_tokens=2)
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_made_stale_by_evictions_is_redone_before_admission() -> None:
+    # b's lookup sees a's prompt on the device (48 tokens) and so asks the tier for
+    # nothing; the device then forgets it. Admitted on that lookup, b would compute all
+    # 50 tokens again; looked up again, it loads 48 from the tier.
+    async with deployment(small_config()) as dep:
+        eng = dep.engine
+        await serve_all(eng, [("a", PROMPT, "t", 2)])
+        await dep.mgr.drain()
+        done = eng.add_request("b", PROMPT, tenant="t", max_tokens=2)
+        task = eng.waiting[0].lookup_task
+        assert task is not None
+        lookup = await asyncio.wait_for(task, 5)
+        assert (lookup.local_tokens, lookup.external_tokens) == (48, 0)
+        assert dep.mgr.core.reset_prefix_cache()
+        runner = asyncio.get_running_loop().create_task(eng.run())
+        await asyncio.wait_for(done, 10)
+        eng.stop()
+        await runner
+        assert eng.stats.lookup_refreshes == 1
+        assert eng.stats.tier_hit_tokens == {"host": 48}
+        assert eng.stats.computed_prompt_tokens == 50 + 2
+        assert dep.model.kv_mismatches == 0 and dep.model.pages_checked == 12
