@@ -304,7 +304,7 @@ def check_items(items: Sequence[PutItem]) -> list[PutItem]:
 
 
 def decode_or_error(
-    raw: Buffer,
+    raw: Buffer | serde.SplitObject,
     key_id: str,
     payload_digest: tuple[int, int, bytes] | None = None,
     *,

@@ -3,6 +3,12 @@
 It is both the CPU tier and the fake the tests use, so it stores the same verified format as
 every other connector (a flipped byte in memory is caught exactly like one on disk).
 Everything runs on the event loop without awaiting, so it never times out.
+
+A put copies the object once, into one new ``bytes``, since the caller may reuse its
+buffers as soon as put returns; except when the payload is a view of a ``bytes`` (the
+async manager's copy-out hands over such a private copy): nobody can change that, so it is
+kept as it is, beside a copy of the small pieces around it (:class:`~kvplugin.serde.
+SplitObject`). That saves the store path a second copy of every payload.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from connectors.base import (
     Loaded,
     PutOutcome,
     StoreBase,
-    decode_all,
+    decode_or_error,
     finish,
 )
+from kvplugin.serde import SplitObject, split_if_immutable
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -54,7 +61,7 @@ class MemoryConnector(StoreBase):
             previous_secrets=previous_secrets,
         )
         self.capacity_bytes = capacity_bytes
-        self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self._objects: OrderedDict[str, bytes | SplitObject] = OrderedDict()
         self._used = 0
 
     @property
@@ -73,15 +80,17 @@ class MemoryConnector(StoreBase):
         return n
 
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
-        return self._take(ids)
+        return [o.join() if isinstance(o, SplitObject) else o for o in self._take(ids)]
 
     def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
         # Everything is here: decoded (and verified) on the loop, no deadline to arm.
-        return decode_all(keys, self._take([k.id for k in keys]), self.codec), ()
+        found = self._take([k.id for k in keys])
+        return [None if o is None else decode_or_error(o, k.id, codec=self.codec)
+                for k, o in zip(keys, found, strict=True)], ()
 
-    def _take(self, ids: list[str]) -> list[Buffer | None]:
-        """The stored bytes per id (``None`` if absent); a hit refreshes its recency."""
-        out: list[Buffer | None] = []
+    def _take(self, ids: list[str]) -> list[bytes | SplitObject | None]:
+        """The stored object per id (``None`` if absent); a hit refreshes its recency."""
+        out: list[bytes | SplitObject | None] = []
         for sid in ids:
             data = self._objects.get(sid)
             if data is not None:
@@ -99,15 +108,15 @@ class MemoryConnector(StoreBase):
             if not overwrite:
                 self._objects.move_to_end(sid)
                 return PutOutcome.EXISTS
-            self._used -= len(self._objects.pop(sid))
+            self._used -= _size(self._objects.pop(sid))
         if enc.nbytes > self.capacity_bytes:
             return PutOutcome.REJECTED
         while self._used + enc.nbytes > self.capacity_bytes:
             _, victim = self._objects.popitem(last=False)
-            self._used -= len(victim)
+            self._used -= _size(victim)
             self._stats.evicted += 1
-        # One copy: the caller's payload may be reused as soon as put returns.
-        self._objects[sid] = enc.join()
+        # One copy at most: the caller's buffers may be reused as soon as put returns.
+        self._objects[sid] = split_if_immutable(enc) or enc.join()
         self._used += enc.nbytes
         return PutOutcome.WRITTEN
 
@@ -116,7 +125,7 @@ class MemoryConnector(StoreBase):
         for sid in ids:
             data = self._objects.pop(sid, None)
             if data is not None:
-                self._used -= len(data)
+                self._used -= _size(data)
                 n += 1
         return n
 
@@ -126,3 +135,7 @@ class MemoryConnector(StoreBase):
     async def _close(self) -> None:
         self._objects.clear()
         self._used = 0
+
+
+def _size(obj: bytes | SplitObject) -> int:
+    return obj.nbytes if isinstance(obj, SplitObject) else len(obj)

@@ -80,6 +80,7 @@ __all__ = [
     "DraftBlock",
     "EncodedBlock",
     "MetadataMismatch",
+    "SplitObject",
     "TruncatedBlock",
     "Unauthenticated",
     "UnknownFormatVersion",
@@ -88,6 +89,7 @@ __all__ = [
     "encode",
     "hash_payload",
     "prepare",
+    "split_if_immutable",
 ]
 
 FORMAT_VERSION = 1
@@ -437,7 +439,7 @@ class _PartsSink:
 
 
 def decode(
-    data: Buffer,
+    data: Buffer | SplitObject,
     *,
     key: str | None = None,
     arrow_check: bool = False,
@@ -455,24 +457,17 @@ def decode(
     again. ``codec`` decides which objects are authentic (see :mod:`kvplugin.serde_mac`):
     without a secret, xxh3-sealed ones; with one, those MAC'd with its secrets.
     """
+    if isinstance(data, SplitObject):
+        return _decode_split(data, key=key, codec=codec)
     view = _byte_view(data)
-    flags, key_word, meta_len, payload_off, payload_len = _envelope(view)
-    sealer = _sealer_for(codec, flags, key_word)
-    frame = sealer.frame(
-        view[:_HASHED_ENVELOPE], view[ENVELOPE_SIZE:payload_off], view[payload_off + payload_len :]
-    )
-    # Constant-time comparisons: with a secret, a timing oracle must not help a forger.
-    if not compare_digest(frame, view[_HASHED_ENVELOPE:ENVELOPE_SIZE]):
-        raise ChecksumMismatch("frame checksum mismatch (header, metadata or padding damaged)")
-    doc = view[ENVELOPE_SIZE : ENVELOPE_SIZE + meta_len]
-    meta, digest = _meta_from_json(doc, sealer.digest_field)
-    if meta.nbytes != payload_len:
-        raise BlockFormatError("payload size disagrees with the recorded dtype and shape")
-    if arrow_check:
-        _check_arrow(view, doc, meta, payload_off, payload_len)
-    if key is not None and meta.key != key:
-        raise MetadataMismatch(f"object records key {_short(meta.key)}, expected {key!r}")
+    flags, key_word, meta_len, payload_off, payload_len = _envelope(view, view.nbytes)
+    head, tail = view[:payload_off], view[payload_off + payload_len :]
     payload = view[payload_off : payload_off + payload_len]
+    meta, sealer, digest = _verify_frame(head, tail, flags, key_word, meta_len, payload_len,
+                                         key, codec)
+    if arrow_check:
+        _check_arrow(view, view[ENVELOPE_SIZE : ENVELOPE_SIZE + meta_len], meta, payload_off,
+                     payload_len)
     if payload_digest is not None and payload_digest[:2] == (payload_off, payload_len):
         actual = payload_digest[2]
     else:
@@ -483,6 +478,71 @@ def decode(
     return Block(meta=meta, payload=payload, encoded=encoded)
 
 
+@dataclass(frozen=True, slots=True)
+class SplitObject:
+    """A stored object kept as its three pieces, the way :func:`encode` produced them: the
+    bytes before the payload, the payload, the bytes after. A store that may keep the
+    payload buffer as it is (an immutable one, e.g. a ``bytes`` the caller handed over)
+    keeps this instead of joining the object into a new contiguous copy; :func:`decode`
+    verifies it exactly as the joined bytes (``join`` gives them)."""
+
+    head: bytes
+    payload: memoryview
+    tail: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + self.payload.nbytes + len(self.tail)
+
+    def join(self) -> bytes:
+        return b"".join((self.head, self.payload, self.tail))
+
+
+def split_if_immutable(enc: EncodedBlock) -> SplitObject | None:
+    """``enc`` as a :class:`SplitObject` when its payload piece is a view of ``bytes``
+    (nobody can change it: keeping it is as safe as a copy), else None."""
+    if len(enc.parts) != 3:
+        return None
+    head, payload, tail = enc.parts
+    if not (isinstance(payload, memoryview) and payload.readonly
+            and type(payload.obj) is bytes and payload.c_contiguous):
+        return None
+    view = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
+    return SplitObject(bytes(head), view, bytes(tail))
+
+
+def _decode_split(obj: SplitObject, *, key: str | None, codec: Codec) -> Block:
+    head, payload, tail = memoryview(obj.head), obj.payload, memoryview(obj.tail)
+    flags, key_word, meta_len, payload_off, payload_len = _envelope(head, obj.nbytes)
+    if payload_off != head.nbytes or payload_len != payload.nbytes:
+        raise BlockFormatError("the pieces of a split object disagree with its envelope")
+    meta, sealer, digest = _verify_frame(head, tail, flags, key_word, meta_len, payload_len,
+                                         key, codec)
+    if not compare_digest(sealer.payload(payload), digest):
+        raise ChecksumMismatch("payload checksum mismatch")
+    encoded = EncodedBlock((head, payload, tail), obj.nbytes, sealer.key_id)
+    return Block(meta=meta, payload=payload, encoded=encoded)
+
+
+def _verify_frame(head: memoryview, tail: memoryview, flags: int, key_word: int,
+                  meta_len: int, payload_len: int, key: str | None, codec: Codec
+                  ) -> tuple[BlockMeta, Sealer, bytes]:
+    """The frame checks of :func:`decode` (envelope, metadata, padding, Arrow framing and the
+    key): the metadata, the sealer that verifies the payload, and the payload's digest."""
+    sealer = _sealer_for(codec, flags, key_word)
+    frame = sealer.frame(head[:_HASHED_ENVELOPE], head[ENVELOPE_SIZE:], tail)
+    # Constant-time comparisons: with a secret, a timing oracle must not help a forger.
+    if not compare_digest(frame, head[_HASHED_ENVELOPE:ENVELOPE_SIZE]):
+        raise ChecksumMismatch("frame checksum mismatch (header, metadata or padding damaged)")
+    doc = head[ENVELOPE_SIZE : ENVELOPE_SIZE + meta_len]
+    meta, digest = _meta_from_json(doc, sealer.digest_field)
+    if meta.nbytes != payload_len:
+        raise BlockFormatError("payload size disagrees with the recorded dtype and shape")
+    if key is not None and meta.key != key:
+        raise MetadataMismatch(f"object records key {_short(meta.key)}, expected {key!r}")
+    return meta, sealer, digest
+
+
 def hash_payload(data: Buffer, codec: Codec = PLAIN) -> tuple[int, int, bytes] | None:
     """``(offset, length, digest)`` of the payload range an object's envelope claims, hashed
     the way ``codec`` would verify this object, or ``None`` when there is no plausible range
@@ -491,7 +551,7 @@ def hash_payload(data: Buffer, codec: Codec = PLAIN) -> tuple[int, int, bytes] |
     :func:`decode` accepts it for exactly the range it verifies."""
     try:
         view = _byte_view(data)
-        flags, key_word, _meta_len, off, length = _envelope(view)
+        flags, key_word, _meta_len, off, length = _envelope(view, view.nbytes)
         sealer = _sealer_for(codec, flags, key_word)
     except (BlockFormatError, ValueError):  # decode will say what is wrong
         return None
@@ -502,16 +562,17 @@ def arrow_stream(data: Buffer) -> memoryview:
     """The Arrow IPC stream inside an object (unverified), for Arrow tools:
     ``pyarrow.ipc.open_stream(arrow_stream(obj)).read_all()``."""
     view = _byte_view(data)
-    meta_len = _envelope(view)[2]
+    meta_len = _envelope(view, view.nbytes)[2]
     return view[ENVELOPE_SIZE + meta_len + (-meta_len % 8) :]
 
 
-def _envelope(view: memoryview) -> tuple[int, int, int, int, int]:
+def _envelope(view: memoryview, size: int) -> tuple[int, int, int, int, int]:
     """``(flags, reserved word, meta_len, payload_off, payload_len)``, once the envelope is
-    plausible: ours, this version, the object's true size, every range inside it."""
-    size = view.nbytes
-    if size < ENVELOPE_SIZE:
-        raise TruncatedBlock(f"object has {size} bytes, less than the {ENVELOPE_SIZE}-byte header")
+    plausible: ours, this version, the object's true size (``size``: ``view`` may be its
+    first piece only), every range inside it."""
+    if view.nbytes < ENVELOPE_SIZE:
+        raise TruncatedBlock(
+            f"object has {view.nbytes} bytes, less than the {ENVELOPE_SIZE}-byte header")
     magic, version, flags, meta_len, total, off, length, word, _ = _ENVELOPE.unpack_from(view, 0)
     if magic != MAGIC:
         raise BlockFormatError("not a kvplugin block (bad magic)")

@@ -192,11 +192,18 @@ class HostKVMemory:
 
     def copy_out(self, group: int, block_ids: Sequence[int]) -> Rows:
         """A private, read-only copy of the rows (the source blocks may be reused right
-        after; nobody may change a store's payload under its I/O)."""
+        after), over the ``bytes`` of :meth:`copy_out_bytes`."""
+        width = self.shapes[group].page_bytes if 0 <= group < len(self.shapes) else 0
+        data = self.copy_out_bytes(group, block_ids)
+        return np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
+
+    def copy_out_bytes(self, group: int, block_ids: Sequence[int]) -> bytes:
+        """The rows' bytes, copied once into an immutable ``bytes``: what a store hands the
+        tiers in copy mode. Being immutable, the memory tier keeps it as it is instead of
+        copying it again (see ``connectors.memory``)."""
         ids = self._check_ids(group, block_ids)
-        out = self._arrays[group][ids]
-        out.flags.writeable = False
-        return out
+        arr = self._arrays[group]
+        return b"".join([arr[b].data for b in ids])
 
     def copy_in(self, group: int, block_ids: Sequence[int], data: Any) -> None:
         """Write ``len(block_ids)`` pages of bytes (any buffer, e.g. a loaded payload)."""

@@ -222,8 +222,9 @@ class Stores(JobSide):
             state = i >= len(take) - num_states
             shape = self._memory.shapes[c.group]
             # A state block is not kept alive by the request's table: always copied now.
-            rows = (self._memory.copy_out(c.group, c.block_ids) if copy or state
-                    else self._memory.pages(c.group, c.block_ids))
+            # A copy is immutable bytes, which the memory tier keeps without copying again.
+            payload = (self._memory.copy_out_bytes(c.group, c.block_ids) if copy or state
+                       else self._memory.pages(c.group, c.block_ids).data)
             if state:
                 meta = c.key.meta(token_start=0, token_end=c.index, dtype=shape.dtype,
                                   shape=(1, *shape.dims), boundary=c.index)
@@ -233,8 +234,8 @@ class Stores(JobSide):
                 meta = c.key.meta(token_start=c.index * ct, token_end=(c.index + 1) * ct,
                                   dtype=shape.dtype,
                                   shape=(self._layout.chunk_blocks, *shape.dims))
-            items.append((c.key, Block(meta, rows.data)))
-            nbytes += rows.nbytes
+            items.append((c.key, Block(meta, payload)))
+            nbytes += len(payload) if isinstance(payload, bytes) else payload.nbytes
         job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
                        owner=st, states=num_states,
                        partial_tails=sum(c.tail for c in take), first_token=first_token,

@@ -444,7 +444,9 @@ async def test_paths_are_sharded_hex_under_the_root(tmp_path: os.PathLike[str]) 
     await conn.aclose()
 
 
-def test_io_pool_defaults_to_the_cpus_less_one_for_the_loop(tmp_path: os.PathLike[str]) -> None:
+async def test_io_pool_defaults_to_the_cpus_less_one_for_the_loop(
+    tmp_path: os.PathLike[str],
+) -> None:
     assert [disk_mod.default_io_threads(n) for n in (1, 2, 3, 5, 64)] == [1, 1, 2, 4, 4]
     conn = DiskConnector(str(tmp_path), capacity_bytes=1 << 20)
     try:
