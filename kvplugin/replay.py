@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -18,15 +19,22 @@ from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
+from kvplugin.core.metrics import KVCacheMetricsCollector
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
 from kvplugin.core.single_type import UnsupportedSpecError
 from kvplugin.core.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     resolve_kv_cache_block_sizes,
 )
@@ -41,6 +49,7 @@ from kvplugin.trace_format import (
     check_op,
     check_ops,
     check_trace_keys,
+    uses_seed_features,
 )
 
 __all__ = [
@@ -90,18 +99,40 @@ def jsonable(x: Any) -> Any:
 
 def build_spec(g: dict[str, Any], default_block_size: int, enable_caching: bool) -> KVCacheSpec:
     kind = g.get("kind")
-    bs = int(g.get("block_size", default_block_size))
-    if kind == "full":
-        return FullAttentionSpec(block_size=bs)
-    if kind == "sliding_window":
-        return SlidingWindowSpec(block_size=bs, sliding_window=int(g["sliding_window"]))
-    if kind == "chunked_local":
-        return ChunkedLocalAttentionSpec(block_size=bs,
-                                         attention_chunk_size=int(g["attention_chunk_size"]))
+    common: dict[str, Any] = {"block_size": int(g.get("block_size", default_block_size))}
+    if "dcp_sharded" in g:  # else the spec's default: sharded attention, replicated Mamba
+        common["dcp_sharded"] = bool(g["dcp_sharded"])
     if kind == "mamba":
-        return MambaSpec(block_size=bs,
+        return MambaSpec(**common,
                          mamba_cache_mode=g.get("mode", "align" if enable_caching else "none"),
                          num_speculative_blocks=int(g.get("num_speculative_blocks", 0)))
+    if "dtype" in g:
+        common["dtype"] = str(g["dtype"])
+    if kind == "full":
+        return FullAttentionSpec(**common)
+    if kind == "sliding_window":
+        return SlidingWindowSpec(**common, sliding_window=int(g["sliding_window"]))
+    if kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(**common,
+                                         attention_chunk_size=int(g["attention_chunk_size"]))
+    return _build_seed_spec(kind, g, common)
+
+
+def _build_seed_spec(kind: Any, g: dict[str, Any], common: dict[str, Any]) -> KVCacheSpec:
+    """The seed-completeness kinds (FORMAT.md)."""
+    if kind == "mla":
+        return MLAAttentionSpec(**common)
+    if kind == "hidden_state":
+        return HiddenStateCacheSpec(**common)
+    if kind == "sliding_window_mla":
+        return SlidingWindowMLASpec(**common, sliding_window=int(g["sliding_window"]),
+                                    bounded_replay=bool(g.get("bounded_replay", False)))
+    if kind == "rswa":
+        return RSWASpec(**common, rswa_window=int(g["rswa_window"]))
+    if kind == "circular_buffer":
+        return CircularBufferSpec(**common)
+    if kind == "sink_full":
+        return SinkFullAttentionSpec(**common, sink_len=int(g["sink_len"]))
     raise UnsupportedTraceError(f"unsupported group kind {kind!r}")
 
 
@@ -128,11 +159,18 @@ class Replayer:
             kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s, bool(g.get("is_eagle_group")))
                              for i, (g, s) in enumerate(zip(groups, specs, strict=True))],
             prefix_cache_retention_interval=cfg["prefix_cache_retention_interval"])
+        self.dcp = int(config.get("dcp_world_size", 1))
+        self.pcp = int(config.get("pcp_world_size", 1))
+        if self.dcp < 1 or self.pcp < 1:
+            raise TraceError("dcp_world_size and pcp_world_size must be >= 1")
+        self.seed_features = uses_seed_features(config)
         self.sbs, self.hbs = resolve_kv_cache_block_sizes(
             self.kv_cache_config, int(cfg["block_size"]),
-            prefix_match_unit=cfg["prefix_match_unit"], enable_caching=caching)
+            prefix_match_unit=cfg["prefix_match_unit"], enable_caching=caching,
+            dcp_world_size=self.dcp)
         self.kv_cache_config.hash_block_size = self.hbs
         lookahead = int(cfg["num_hash_lookahead_tokens"])
+        self.metrics = self._metrics_collector(config)
         try:
             self.manager = KVCacheManager(
                 self.kv_cache_config, max_model_len=int(cfg["max_model_len"]),
@@ -143,9 +181,12 @@ class Replayer:
                 enable_kv_cache_events=bool(cfg["enable_kv_cache_events"]),
                 watermark=float(cfg["watermark"]),
                 enable_mamba_shared_prefix_checkpoint=bool(
-                    cfg["enable_mamba_shared_prefix_checkpoint"]))
+                    cfg["enable_mamba_shared_prefix_checkpoint"]),
+                dcp_world_size=self.dcp, pcp_world_size=self.pcp,
+                metrics_collector=self.metrics)
         except UnsupportedSpecError as e:
             raise UnsupportedTraceError(str(e)) from None
+        self.metrics_rate = None if self.metrics is None else self.metrics.sample_rate
         # As in vLLM's EngineCore: requests get a block hasher only when caching.
         self.hasher = BlockHasher(self.ctx, self.hbs, lookahead) if caching else None
         self.requests: dict[str, Request] = {}
@@ -161,9 +202,23 @@ class Replayer:
         self.handlers: dict[str, Callable[[dict[str, Any], bool], dict[str, Any] | None]] = {
             name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
 
+    @staticmethod
+    def _metrics_collector(config: dict[str, Any]) -> KVCacheMetricsCollector | None:
+        """FORMAT.md: ``random.seed(seed)`` just before the collector is built; a private
+        generator with that seed draws the same sequence without touching global state."""
+        rate = config.get("metrics_collector_sample_rate")
+        if rate is None:
+            if "metrics_collector_seed" in config:
+                raise TraceError("metrics_collector_seed without metrics_collector_sample_rate")
+            return None
+        if not 0 < rate <= 1:
+            raise TraceError(f"metrics_collector_sample_rate must be in (0, 1], got {rate}")
+        seed = config.get("metrics_collector_seed", 0)
+        return KVCacheMetricsCollector(float(rate), random.Random(seed))
+
     def describe(self) -> dict[str, Any]:
         coord = self.manager.coordinator
-        return {
+        out = {
             "scheduler_block_size": self.sbs,
             "hash_block_size": self.hbs,
             "coordinator": type(coord).__name__,
@@ -174,6 +229,20 @@ class Replayer:
             "none_hash": hex16(self.ctx.none_hash),
             "num_free_blocks": self.manager.block_pool.get_num_free_blocks(),
         }
+        if self.seed_features:  # FORMAT.md: only traces using seed-completeness features
+            managers = coord.single_type_managers
+            out.update({
+                "dcp_world_size": self.dcp,
+                "pcp_world_size": self.pcp,
+                "prefix_cacheable_group_ids": [i for i, m in enumerate(managers)
+                                               if m.kv_cache_spec.prefix_cacheable],
+                "retained_hit_group_ids": [i for i, m in enumerate(managers)
+                                           if m.retains_longer_hit],
+                "zeroing_group_ids": [i for i, m in enumerate(managers)
+                                      if m._record_new_block_ids],
+                "metrics_collector_sample_rate": self.metrics_rate,
+            })
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _req(self, op: dict[str, Any]) -> Request:
@@ -538,6 +607,16 @@ class Replayer:
         if not pending:
             del self.popped[rid]
         return {"num_free_blocks": self._free()} if record else None
+
+    def op_take_metrics_events(self, op: dict[str, Any], record: bool) -> dict[str, Any] | None:
+        if self.metrics is None:
+            raise TraceError("take_metrics_events without metrics_collector_sample_rate")
+        events = self.metrics.drain_events()
+        if not record:
+            return None
+        return {"num_eviction_events": len(events),
+                "reuse_gap_counts": [len(e.reuse_gaps_seconds) for e in events],
+                "sampled_block_ids": sorted(self.metrics.block_metrics)}
 
     def apply(self, op: dict[str, Any], record: bool = True) -> dict[str, Any] | None:
         """Validate one op (TraceError on anything unknown or ill-typed), then run it."""

@@ -154,9 +154,11 @@ OP_FIELDS: dict[str, tuple[dict[str, Check], frozenset[str]]] = {
     "record_blocks_for_zeroing": ({**_ID, "start_token": int}, frozenset({"id", "start_token"})),
     "pop_blocks_for_free": (_ID, frozenset({"id"})),
     "free_popped_blocks": (_ID, frozenset({"id"})),
+    # Seed-completeness op (FORMAT.md).
+    "take_metrics_events": (_NONE, frozenset()),
 }
 # Documented ops this build does not implement (FORMAT.md, seed-completeness features).
-UNSUPPORTED_OPS = frozenset({"take_metrics_events"})
+UNSUPPORTED_OPS: frozenset[str] = frozenset()
 # op -> (field checks, allowed keys, required keys): what check_op reads per op.
 _OP_TABLE = {name: (checks, frozenset(checks), required | {"op"})
              for name, (checks, required) in OP_FIELDS.items()}
@@ -169,19 +171,46 @@ CONFIG_FIELDS: dict[str, Check] = {
     "prefix_cache_retention_interval": _is_opt_int, "num_hash_lookahead_tokens": int,
     "enable_mamba_shared_prefix_checkpoint": bool, "record_block_tables": bool,
     "record_block_hashes": bool, "events_full_token_ids": bool,
+    # Seed-completeness keys (FORMAT.md): context parallelism.
+    "dcp_world_size": int, "pcp_world_size": int,
+    # ... and the residency metrics collector.
+    "metrics_collector_sample_rate": lambda v: v is None or _is_number(v),
+    "metrics_collector_seed": _is_scalar,
 }
 # Documented in FORMAT.md ("Seed-completeness fields and ops") but not implemented here:
 # a trace using one is unsupported, never replayed without it.
-UNSUPPORTED_CONFIG_KEYS = frozenset({"dcp_world_size", "pcp_world_size",
-                                     "metrics_collector_sample_rate", "metrics_collector_seed"})
-UNSUPPORTED_GROUP_FIELDS = frozenset({"dtype", "dcp_sharded"})
-_GROUP: dict[str, Check] = {"kind": str, "block_size": int, "is_eagle_group": bool}
+UNSUPPORTED_CONFIG_KEYS: frozenset[str] = frozenset()
+UNSUPPORTED_GROUP_FIELDS: frozenset[str] = frozenset()
+ATTENTION_DTYPES = ("float32", "float16", "bfloat16")
+# The seed-completeness config keys, group kinds and group fields: a trace using any of
+# them gets the extra ``resolved`` entries FORMAT.md lists.
+SEED_CONFIG_KEYS = frozenset({"dcp_world_size", "pcp_world_size",
+                              "metrics_collector_sample_rate", "metrics_collector_seed"})
+SEED_GROUP_KINDS = frozenset({"mla", "hidden_state", "sliding_window_mla", "rswa",
+                              "circular_buffer", "sink_full"})
+SEED_GROUP_FIELDS = frozenset({"dtype", "dcp_sharded"})
+def _is_dtype(v: Any) -> bool:
+    return v in ATTENTION_DTYPES
+
+
+_GROUP: dict[str, Check] = {"kind": str, "block_size": int, "is_eagle_group": bool,
+                            "dcp_sharded": bool}
+# Attention kinds also take a dtype (mixed precision turns on zeroing); Mamba does not.
+_ATTN: dict[str, Check] = {**_GROUP, "dtype": _is_dtype}
 GROUP_FIELDS: dict[str, tuple[dict[str, Check], frozenset[str]]] = {
-    "full": (_GROUP, frozenset()),
-    "sliding_window": ({**_GROUP, "sliding_window": int}, frozenset({"sliding_window"})),
-    "chunked_local": ({**_GROUP, "attention_chunk_size": int},
+    "full": (_ATTN, frozenset()),
+    "sliding_window": ({**_ATTN, "sliding_window": int}, frozenset({"sliding_window"})),
+    "chunked_local": ({**_ATTN, "attention_chunk_size": int},
                       frozenset({"attention_chunk_size"})),
     "mamba": ({**_GROUP, "mode": _is_mamba_mode, "num_speculative_blocks": int}, frozenset()),
+    # Seed-completeness kinds (FORMAT.md).
+    "mla": (_ATTN, frozenset()),
+    "hidden_state": (_ATTN, frozenset()),
+    "sliding_window_mla": ({**_ATTN, "sliding_window": int, "bounded_replay": bool},
+                           frozenset({"sliding_window"})),
+    "rswa": ({**_ATTN, "rswa_window": int}, frozenset({"rswa_window"})),
+    "circular_buffer": (_ATTN, frozenset()),
+    "sink_full": ({**_ATTN, "sink_len": int}, frozenset({"sink_len"})),
 }
 
 
@@ -251,6 +280,14 @@ def check_config(config: Any) -> None:
         checks, required = GROUP_FIELDS[kind]
         _check_fields(f"config.groups[{i}] ({kind})", g, checks, required,
                       UNSUPPORTED_GROUP_FIELDS)
+
+
+def uses_seed_features(config: dict[str, Any]) -> bool:
+    """Whether a (checked) config uses any seed-completeness key, kind or group field."""
+    if config.keys() & SEED_CONFIG_KEYS:
+        return True
+    return any(g.get("kind") in SEED_GROUP_KINDS or g.keys() & SEED_GROUP_FIELDS
+               for g in config.get("groups", ()))
 
 
 def check_trace_keys(trace: dict[str, Any]) -> None:

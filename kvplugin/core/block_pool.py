@@ -33,6 +33,7 @@ from kvplugin.core.hashing import (
     resolve_block_hashes,
     to_event_extra_keys,
 )
+from kvplugin.core.metrics import KVCacheMetricsCollector
 from kvplugin.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
         self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        # Optional residency metrics (set by KVCacheManager); None keeps the hot paths bare.
+        self.metrics_collector: KVCacheMetricsCollector | None = None
 
     # ------------------------------------------------------------------ lookup
     def get_cached_block(self, block_hash: BlockHash,
@@ -386,17 +389,32 @@ class BlockPool:
         else:
             for block in ret:
                 block.ref_cnt = 1
+        if self.metrics_collector is not None:
+            self._metrics_on_new_blocks(ret)
         return ret
+
+    def _metrics_on_new_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        # vLLM: with caching, a handed-out block's previous life ends (eviction event),
+        # then the new one may be sampled; without caching it is only re-sampled.
+        collector = self.metrics_collector
+        assert collector is not None
+        for block in blocks:
+            if self.enable_caching:
+                collector.on_block_evicted(block)
+            collector.on_block_allocated(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling evictable ones off the queue."""
         remove = self.free_block_queue.remove
+        collector = self.metrics_collector
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
+            if collector is not None:
+                collector.on_block_accessed(block)
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
@@ -458,6 +476,8 @@ class BlockPool:
                 raise ValueError(f"Invalid block_id {bid!r}: the pool has {self.num_gpu_blocks} "
                                  "blocks")
         for bid in ids:
+            if self.metrics_collector is not None:
+                self.metrics_collector.on_block_evicted(self.blocks[bid])
             self._emit_removed(self._remove_cached_block_hashes(self.blocks[bid]))
 
     def reset_prefix_cache(self) -> bool:
@@ -474,6 +494,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.block_hash_num_tokens = None
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -75,7 +76,15 @@ class KVCacheCoordinator:
         hash_block_size: int,
         num_prefill_lookahead: int = 0,
         num_hash_lookahead_tokens: int = 0,
+        *,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
     ) -> None:
+        if dcp_world_size < 1 or pcp_world_size < 1:
+            raise ValueError(f"dcp_world_size ({dcp_world_size}) and pcp_world_size "
+                             f"({pcp_world_size}) must be >= 1")
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
@@ -108,6 +117,8 @@ class KVCacheCoordinator:
                 needs_kv_cache_zeroing=zeroing,
                 max_admission_blocks_per_request=g.kv_cache_spec.max_admission_blocks_per_request(
                     max_in_flight_tokens, max_model_len),
+                dcp_world_size=dcp_world_size,
+                pcp_world_size=pcp_world_size,
             )
             for i, g in enumerate(groups)
         )
@@ -249,6 +260,28 @@ class KVCacheCoordinator:
                                max_cache_hit_length: int) -> tuple[Hits, int, int]:
         raise NotImplementedError
 
+    def lookup_spec(self, group_id: int) -> KVCacheSpec:
+        """The group's spec as its lookups see it: DCP-scaled block size when sharded."""
+        spec = self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+        bs = self.single_type_managers[group_id].block_size
+        return spec if bs == spec.block_size else dataclasses.replace(spec, block_size=bs)
+
+
+# Families whose lookups vLLM 0.33.0 asserts against under DCP/PCP (message: theirs).
+_NO_CP_LOOKUP = ((SlidingWindowSpec, "sliding window attn"),
+                 (ChunkedLocalAttentionSpec, "chunked local attn"), (MambaSpec, "mamba"))
+
+
+def check_cp_lookup(m: SingleTypeKVCacheManager) -> None:
+    """vLLM accepts a lone sharded SWA / chunked-local group under DCP at construction but
+    asserts at its first lookup; reproduce that (as an error, not a silent hit)."""
+    for klass, what in _NO_CP_LOOKUP:
+        if isinstance(m.kv_cache_spec, klass):
+            if m.dcp_world_size > 1:
+                raise AssertionError(f"DCP not support {what} now.")
+            if m.pcp_world_size > 1:
+                raise AssertionError(f"PCP not support {what} now.")
+
 
 def check_lookup_layout(coord: KVCacheCoordinator, alignment: int) -> None:
     """Reject at construction the layouts whose prefix lookups vLLM would refuse later."""
@@ -271,10 +304,12 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
                  max_in_flight_tokens: int, use_eagle: bool, enable_kv_cache_events: bool,
                  scheduler_block_size: int, hash_block_size: int, num_prefill_lookahead: int = 0,
-                 num_hash_lookahead_tokens: int = 0) -> None:
+                 num_hash_lookahead_tokens: int = 0, *, dcp_world_size: int = 1,
+                 pcp_world_size: int = 1) -> None:
         super().__init__(kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, False,
                          enable_kv_cache_events, scheduler_block_size, hash_block_size,
-                         num_prefill_lookahead, num_hash_lookahead_tokens)
+                         num_prefill_lookahead, num_hash_lookahead_tokens,
+                         dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[Hits, int, int]:
@@ -292,7 +327,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         if m.enable_caching and self.hash_block_size != m.block_size:
             raise ValueError("with one KV-cache group the hash block size must equal the "
                              "group block size")
-        self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.kv_cache_spec = self.lookup_spec(0)
         self.block_size = m.block_size
         self._drop = 0 in self.drop_eagle_group_ids
         m.use_eagle = self._drop
@@ -304,6 +339,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[Hits, int, int]:
+        if self._m.dcp_world_size > 1 or self._m.pcp_world_size > 1:
+            check_cp_lookup(self._m)
         blocks, hit = self._find(block_hashes, max_cache_hit_length, (0,), self.block_pool,
                                  self.kv_cache_spec, self._drop, self.block_size)
         return blocks, hit, 0
@@ -348,11 +385,12 @@ def eagle_proof_margin(block_size: int, hash_block_size: int, fine_grained: bool
 
 
 def partial_hash_hits_enabled(config: KVCacheConfig, hash_block_size: int,
-                              managers: Sequence[SingleTypeKVCacheManager]) -> bool:
+                              managers: Sequence[SingleTypeKVCacheManager],
+                              dcp_world_size: int = 1) -> bool:
     """Fine-grained (sub-block) hits: a coarse Mamba "align" group, and every other
     cacheable group either supports fine-grained lookups or is hashed at its block size."""
     groups = config.kv_cache_groups
-    if not partial_hash_hits_possible(groups, hash_block_size):
+    if not partial_hash_hits_possible(groups, hash_block_size, dcp_world_size):
         return False
     return all(
         not g.kv_cache_spec.prefix_cacheable or m.supports_fine_grained_hash_lookup

@@ -20,7 +20,28 @@ from kvplugin.core.coordinator import (
     partial_hash_hits_enabled,
 )
 from kvplugin.core.request import Request
-from kvplugin.core.specs import FullAttentionSpec, MambaSpec, cdiv
+from kvplugin.core.specs import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    cdiv,
+)
+
+
+def check_cp_layout(groups: Sequence[KVCacheGroupSpec], dcp: int, pcp: int) -> None:
+    """The hybrid layouts vLLM 0.33.0 refuses under context parallelism."""
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        replicated = not spec.dcp_sharded
+        if pcp > 1 and not (isinstance(spec, FullAttentionSpec)
+                            or (isinstance(spec, AttentionSpec) and replicated)):
+            raise ValueError(f"group {i} ({type(spec).__name__}): PCP only supports full "
+                             "attention and replicated draft groups")
+        if dcp > 1 and not (isinstance(spec, FullAttentionSpec) or replicated):
+            raise ValueError(f"group {i}: DCP with hybrid KV cache layouts only supports "
+                             f"full-attention, Mamba, and replicated draft groups, got: "
+                             f"{type(spec).__name__}")
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
@@ -34,8 +55,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 raise ValueError(
                     f"KV cache group block size {m.block_size} is not divisible by the hash "
                     f"block size {hbs}")
+        check_cp_layout(groups, self.dcp_world_size, self.pcp_world_size)
         self.enable_partial_hash_hits = allow_partial_hash_hits and partial_hash_hits_enabled(
-            self.kv_cache_config, hbs, self.single_type_managers)
+            self.kv_cache_config, hbs, self.single_type_managers, self.dcp_world_size)
         self.cache_hit_alignment_tokens = hbs if self.enable_partial_hash_hits else \
             self.scheduler_block_size
         for m in self.single_type_managers:
@@ -59,6 +81,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     break
             else:
                 self.attention_groups.append(SpecGroup(g.kv_cache_spec, [i], cls, eagle))
+        # Lookups see a sharded group's DCP-scaled block (grouping used the declared specs).
+        self.attention_groups = [sg._replace(spec=self.lookup_spec(sg.group_ids[0]))
+                                 for sg in self.attention_groups]
         if not self.attention_groups:
             raise ValueError("the hybrid coordinator needs at least one prefix-cacheable group")
         self.attention_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))

@@ -19,6 +19,7 @@ from kvplugin.core.coordinator import (
 )
 from kvplugin.core.events import BlockStored, KVCacheEvent
 from kvplugin.core.hybrid import HybridKVCacheCoordinator
+from kvplugin.core.metrics import KVCacheMetricsCollector
 from kvplugin.core.request import Request, RequestStatus
 from kvplugin.core.specs import (
     AttentionSpec,
@@ -69,18 +70,21 @@ def get_kv_cache_coordinator(
     use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
     scheduler_block_size: int, hash_block_size: int, num_hash_lookahead_tokens: int = 0,
     num_prefill_lookahead: int = 0, allow_partial_hash_hits: bool = True,
+    dcp_world_size: int = 1, pcp_world_size: int = 1,
 ) -> KVCacheCoordinator:
+    cp = {"dcp_world_size": dcp_world_size, "pcp_world_size": pcp_world_size}
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(
             kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle,
             enable_kv_cache_events, scheduler_block_size, hash_block_size,
-            num_prefill_lookahead, num_hash_lookahead_tokens)
+            num_prefill_lookahead, num_hash_lookahead_tokens, **cp)
     args = (kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, True,
             enable_kv_cache_events, scheduler_block_size, hash_block_size,
             num_prefill_lookahead, num_hash_lookahead_tokens)
     if len(kv_cache_config.kv_cache_groups) == 1:
-        return UnitaryKVCacheCoordinator(*args)
-    return HybridKVCacheCoordinator(*args, allow_partial_hash_hits=allow_partial_hash_hits)
+        return UnitaryKVCacheCoordinator(*args, **cp)
+    return HybridKVCacheCoordinator(*args, allow_partial_hash_hits=allow_partial_hash_hits,
+                                    **cp)
 
 
 def _validate_config(config: KVCacheConfig, enable_caching: bool) -> None:
@@ -117,9 +121,8 @@ class KVCacheManager:
         pcp_world_size: int = 1,
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        metrics_collector: KVCacheMetricsCollector | None = None,
     ) -> None:
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise ValueError("context parallelism (DCP/PCP > 1) is not supported")
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if not watermark >= 0.0:
@@ -136,7 +139,8 @@ class KVCacheManager:
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, enable_caching,
             enable_kv_cache_events, scheduler_block_size, hash_block_size,
-            num_hash_lookahead_tokens, num_prefill_lookahead)
+            num_hash_lookahead_tokens, num_prefill_lookahead,
+            dcp_world_size=dcp_world_size, pcp_world_size=pcp_world_size)
         self.mamba_shared_prefix_checkpoint = (
             enable_mamba_shared_prefix_checkpoint and bool(self.coordinator.eagle_group_ids)
             and self.coordinator.enable_partial_hash_hits
@@ -147,6 +151,8 @@ class KVCacheManager:
                     m.shared_prefix_checkpoint = True
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
+        self.metrics_collector = metrics_collector
+        self.block_pool.metrics_collector = metrics_collector
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.kv_cache_event_metadata = tuple(
@@ -494,6 +500,24 @@ class KVCacheManager:
                     raise ValueError("start_token must be block-aligned")
                 table = m.req_to_blocks.get(request_id, [])
                 m.new_block_ids.extend(b.block_id for b in table[start_token // m.block_size:])
+
+    def get_zeroing_block_ids_in_range(self, request_id: str, start_token: int,
+                                       end_token: int) -> list[int]:
+        """The request's block ids covering tokens ``[start_token, end_token)`` in every
+        group whose new blocks are zeroed, group by group (null placeholders excluded:
+        they hold nothing to zero).  An unknown request has none."""
+        if not 0 <= start_token <= end_token:
+            raise ValueError(f"need 0 <= start_token <= end_token, got [{start_token}, "
+                             f"{end_token})")
+        ids: list[int] = []
+        for m in self.coordinator.single_type_managers:
+            if not m.records_new_block_ids:
+                continue
+            table = m.req_to_blocks.get(request_id) or []
+            ids.extend(b.block_id for b in table[start_token // m.block_size:
+                                                 cdiv(end_token, m.block_size)]
+                       if not b.is_null)
+        return ids
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """Pending copy-on-write copies and their retained endpoints ``[src, dst, ...]``;

@@ -19,6 +19,9 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
     block_size: int
+    # Whether decode context parallelism shards this cache's token positions across ranks
+    # (then a manager block spans ``block_size * dcp_world_size`` tokens).
+    dcp_sharded: bool = False
     kind: str = field(default="unknown", init=False)
 
     def __post_init__(self) -> None:
@@ -38,6 +41,7 @@ class KVCacheSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KVCacheSpec):
+    dcp_sharded: bool = True
     num_kv_heads: int = 1
     head_size: int = 1
     dtype: str = "float32"
@@ -71,6 +75,52 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: decides like full attention, its own spec (so an MLA
+    group and a full group are looked up separately)."""
+
+    kind: str = field(default="mla_attention", init=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiddenStateCacheSpec(MLAAttentionSpec):
+    """Marker subclass of MLA for hidden-state cache layers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding window: full attention that keeps the prompt; during decode only
+    the last ``rswa_window`` tokens are kept (the gap goes to null blocks)."""
+
+    rswa_window: int
+    kind: str = field(default="full_attention", init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.rswa_window, int) or self.rswa_window <= 0:
+            raise ValueError(f"rswa_window must be a positive int, got {self.rswa_window!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """A scratch ring: one block (of ``block_size`` = capacity) per request, never cached."""
+
+    kind: str = field(default="circular_buffer", init=False)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with attention sinks.  vLLM 0.33.0 cannot build its manager (the
+    coordinator passes an argument its ``__init__`` lacks), so construction refuses it."""
+
+    sink_len: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
     attention_chunk_size: int
     kind: str = field(default="chunked_local_attention", init=False)
@@ -85,6 +135,19 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
                                          max_model_len: int) -> int:
         n = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return cdiv(n, self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """Sliding window with the MLA cache format.  ``bounded_replay`` makes the group not
+    prefix-cacheable (never looked up, never cached, outside the hash block size)."""
+
+    bounded_replay: bool = False
+    kind: str = field(default="sliding_window_mla", init=False)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return not self.bounded_replay
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,20 +208,35 @@ class KVCacheConfig:
         return any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups)
 
     @property
+    def has_mixed_precision_kv_cache(self) -> bool:
+        """Attention groups of more than one dtype: a block reused across groups would be
+        reinterpreted under another precision (stale bytes can decode to NaN/Inf)."""
+        return len({g.kv_cache_spec.dtype for g in self.kv_cache_groups
+                    if isinstance(g.kv_cache_spec, AttentionSpec)}) > 1
+
+    @property
     def needs_kv_cache_zeroing(self) -> bool:
-        return self.has_mamba_layers
+        return self.has_mamba_layers or self.has_mixed_precision_kv_cache
+
+
+def resolve_dcp_kv_block_size(spec: KVCacheSpec, dcp_world_size: int) -> int:
+    """The token span of one of the spec's blocks under DCP."""
+    return spec.block_size * (dcp_world_size if spec.dcp_sharded else 1)
 
 
 def get_kv_cache_spec_sliding_window(spec: KVCacheSpec) -> int | None:
     return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
 
 
-def partial_hash_hits_possible(groups: Sequence[KVCacheGroupSpec], hash_block_size: int) -> bool:
-    """Some Mamba "align" group is coarser than the hash unit (fine-grained hits)."""
+def partial_hash_hits_possible(groups: Sequence[KVCacheGroupSpec], hash_block_size: int,
+                               dcp_world_size: int = 1) -> bool:
+    """Some Mamba "align" group is coarser than the hash unit (fine-grained hits).  Under
+    DCP equality suffices: DCP scales the full-attention block instead."""
     return any(
         isinstance(g.kv_cache_spec, MambaSpec)
         and g.kv_cache_spec.mamba_cache_mode == "align"
-        and g.kv_cache_spec.block_size > hash_block_size
+        and (g.kv_cache_spec.block_size > hash_block_size
+             or (dcp_world_size > 1 and g.kv_cache_spec.block_size == hash_block_size))
         for g in groups
     )
 
@@ -170,10 +248,14 @@ def resolve_kv_cache_block_sizes(
     prefix_match_unit: int | None = None,
     enable_caching: bool = True,
     connector_enabled: bool = False,
+    dcp_world_size: int = 1,
 ) -> tuple[int, int]:
-    """vLLM's ``(scheduler_block_size, hash_block_size)`` for a layout (DCP = 1)."""
+    """vLLM's ``(scheduler_block_size, hash_block_size)`` for a layout.  DCP scales every
+    sharded group's block (a single group: the default block size, as vLLM does)."""
     groups = config.kv_cache_groups
     if len(groups) <= 1:
+        if groups and groups[0].kv_cache_spec.dcp_sharded:
+            block_size *= dcp_world_size
         if (prefix_match_unit not in (None, block_size) and len(groups) == 1
                 and (enable_caching or connector_enabled)):
             raise ValueError(
@@ -181,7 +263,7 @@ def resolve_kv_cache_block_sizes(
                 f"group, prefix-cache hits land on the block size ({block_size}). "
                 f"Unset it or set it to {block_size}.")
         return block_size, block_size
-    sizes = [g.kv_cache_spec.block_size for g in groups]
+    sizes = [resolve_dcp_kv_block_size(g.kv_cache_spec, dcp_world_size) for g in groups]
     sbs = math.lcm(*sizes)
     if not (enable_caching or connector_enabled):
         return sbs, sbs
@@ -199,7 +281,7 @@ def resolve_kv_cache_block_sizes(
     alignments = {g.kv_cache_spec.tokens_per_state for g in groups
                   if isinstance(g.kv_cache_spec, MambaSpec)
                   and g.kv_cache_spec.tokens_per_state > 1}
-    hit_alignment = hbs if partial_hash_hits_possible(groups, hbs) else sbs
+    hit_alignment = hbs if partial_hash_hits_possible(groups, hbs, dcp_world_size) else sbs
     if any(hit_alignment % a for a in alignments):
         raise ValueError(f"Invalid prefix_match_unit={hbs}; prefix-cache boundaries must align "
                          f"with each spec's per-state compression {sorted(alignments)}.")

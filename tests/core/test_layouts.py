@@ -65,6 +65,9 @@ def test_cross_and_encoder_only_groups() -> None:
                  caching=False)
 
 
-def test_context_parallelism_is_refused() -> None:
-    with pytest.raises(ValueError, match="DCP/PCP"):
-        _manager(FullAttentionSpec(block_size=16), dcp_world_size=2)
+def test_context_parallelism_refuses_what_vllm_refuses() -> None:
+    # Issue 13: DCP/PCP are supported; only vLLM's refused hybrid layouts are errors.
+    with pytest.raises(ValueError, match="DCP with hybrid KV cache layouts"):
+        _manager(FullAttentionSpec(block_size=16),
+                 ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=64),
+                 dcp_world_size=2)

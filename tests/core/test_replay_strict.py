@@ -118,8 +118,11 @@ def test_unknown_and_unsupported_ops() -> None:
         with pytest.raises(TraceError) as info:
             check_op(bad)
         assert type(info.value) is TraceError
-    with pytest.raises(UnsupportedTraceError, match="take_metrics_events"):
-        check_op({"op": "take_metrics_events"})
+    assert check_op({"op": "take_metrics_events"}) == "take_metrics_events"
+    with pytest.raises(TraceError, match="unknown field 'id'"):
+        check_op({"op": "take_metrics_events", "id": "r"})
+    with pytest.raises(TraceError, match="without metrics_collector_sample_rate"):
+        Replayer({}).apply({"op": "take_metrics_events"})
 
 
 # ----------------------------------------------------------------------------- config
@@ -156,8 +159,22 @@ def test_group_fields_are_checked_per_kind() -> None:
         with pytest.raises(TraceError, match=message) as info:
             check_config({"groups": [group]})
         assert type(info.value) is TraceError
-    for group in ({"kind": "full", "dtype": "bfloat16"}, {"kind": "full", "dcp_sharded": False},
-                  {"kind": "mla"}, {"kind": "rswa", "rswa_window": 8}, {"kind": ["full"]}):
+    check_config({"groups": [{"kind": "full", "dcp_sharded": False}]})
+    with pytest.raises(TraceError, match="bad value for 'dcp_sharded'"):
+        check_config({"groups": [{"kind": "full", "dcp_sharded": 0}]})
+    for group in ({"kind": "full", "dtype": "bfloat16"}, {"kind": "mla"},
+                  {"kind": "hidden_state", "dtype": "float16"}, {"kind": "circular_buffer"},
+                  {"kind": "rswa", "rswa_window": 8}, {"kind": "sink_full", "sink_len": 4},
+                  {"kind": "sliding_window_mla", "sliding_window": 8, "bounded_replay": True}):
+        check_config({"groups": [group]})
+    for group, message in [({"kind": "mamba", "dtype": "float16"}, "unknown field 'dtype'"),
+                           ({"kind": "full", "dtype": "float64"}, "bad value for 'dtype'"),
+                           ({"kind": "rswa"}, "missing field"),
+                           ({"kind": "mla", "sliding_window": 8}, "unknown field")]:
+        with pytest.raises(TraceError, match=message) as info:
+            check_config({"groups": [group]})
+        assert type(info.value) is TraceError
+    for group in ({"kind": "bogus"}, {"kind": ["full"]}):
         with pytest.raises(UnsupportedTraceError):
             check_config({"groups": [group]})
     with pytest.raises(TraceError, match="must be an object"):
@@ -165,8 +182,10 @@ def test_group_fields_are_checked_per_kind() -> None:
 
 
 def test_the_replayer_checks_its_config() -> None:
-    with pytest.raises(UnsupportedTraceError, match="dtype"):
-        Replayer({"groups": [{"kind": "full"}, {"kind": "full", "dtype": "bfloat16"}]})
+    mixed = Replayer({"groups": [{"kind": "full"}, {"kind": "full", "dtype": "bfloat16"}]})
+    assert mixed.describe()["zeroing_group_ids"] == [0, 1]
+    with pytest.raises(TypeError, match="cannot be built by vLLM"):
+        Replayer({"groups": [{"kind": "sink_full", "sink_len": 4}]})
     with pytest.raises(TraceError, match="unknown field 'bogus'"):
         run_trace({"format": FORMAT, "config": {"bogus": 1}, "ops": []})
     with pytest.raises(TraceError, match="top-level"):

@@ -7,10 +7,13 @@ import importlib
 from kvplugin.core.single_type.base import SingleTypeKVCacheManager
 from kvplugin.core.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 
@@ -22,6 +25,14 @@ _REGISTRY: dict[type[KVCacheSpec], str] = {
         "kvplugin.core.single_type.chunked_local:ChunkedLocalAttentionManager",
     MambaSpec: "kvplugin.core.single_type.mamba:MambaManager",
     CrossAttentionSpec: "kvplugin.core.single_type.cross_attention:CrossAttentionManager",
+    RSWASpec: "kvplugin.core.single_type.rswa:RSWAManager",
+    CircularBufferSpec: "kvplugin.core.single_type.circular_buffer:CircularBufferManager",
+}
+# Spec kinds vLLM 0.33.0 itself cannot build a manager for: refused, with vLLM's reason.
+_REFUSED: dict[type[KVCacheSpec], str] = {
+    SinkFullAttentionSpec: "sink full attention cannot be built by vLLM 0.33.0 (its "
+                           "coordinator passes needs_kv_cache_zeroing= to a manager __init__ "
+                           "that does not accept it)",
 }
 
 
@@ -31,6 +42,8 @@ class UnsupportedSpecError(ValueError):
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     for klass in type(spec).__mro__:
+        if klass in _REFUSED:
+            raise TypeError(f"{type(spec).__name__}: {_REFUSED[klass]}")
         target = _REGISTRY.get(klass)
         if target is None:
             continue

@@ -37,6 +37,8 @@ class SingleTypeKVCacheManager:
         scheduler_block_size: int,
         needs_kv_cache_zeroing: bool = False,
         max_admission_blocks_per_request: int | None = None,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
     ) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_pool = block_pool
@@ -45,9 +47,11 @@ class SingleTypeKVCacheManager:
         self.scheduler_block_size = scheduler_block_size
         # The hybrid coordinator lowers this to the hash unit when fine-grained hits are on.
         self.cache_hit_alignment_tokens = scheduler_block_size
-        self.block_size = kv_cache_spec.block_size
-        self.dcp_world_size = 1
-        self.pcp_world_size = 1
+        # DCP shards a sharded group's token positions across ranks, so one block of this
+        # manager spans block_size * DCP tokens; a replicated group keeps its size.
+        self.dcp_world_size = dcp_world_size if kv_cache_spec.dcp_sharded else 1
+        self.pcp_world_size = pcp_world_size if kv_cache_spec.dcp_sharded else 1
+        self.block_size = kv_cache_spec.block_size * self.dcp_world_size
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self._record_new_block_ids = needs_kv_cache_zeroing and isinstance(
             kv_cache_spec, AttentionSpec)
