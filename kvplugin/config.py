@@ -137,6 +137,11 @@ class LayoutConfig(_Strict):
     enable_mamba_shared_prefix_checkpoint: bool = Field(
         default=False, description="cache the Mamba state at a prompt's last hash boundary "
                                    "inside a block (partial tails)")
+    metrics_collector_sample_rate: float | None = Field(
+        default=None, gt=0, le=1,
+        description="share of device blocks whose residency (lifetime, idle time, reuse "
+                    "gaps) is tracked, as vLLM's KVCacheMetricsCollector (null: off); "
+                    "exported as kvplugin_block_*_seconds histograms")
 
     def as_trace_config(self) -> dict[str, Any]:
         d = self.model_dump(exclude={"groups"})

@@ -48,7 +48,7 @@ from prometheus_client.utils import floatToGoString
 from connectors.base import ConnectorStats
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.tenants import TenantStats
-from kvplugin.aio.values import Histogram, Latency, OffloadStats
+from kvplugin.aio.values import Histogram, Latency, OffloadStats, Residency
 
 if TYPE_CHECKING:
     from kvplugin.engine.build import Deployment
@@ -132,6 +132,13 @@ METRICS: tuple[MetricDoc, ...] = (
          "or cancelled), by the slowest tier they read from."),
     _doc("kvplugin_store_latency_seconds", "histogram", "",
          "Store jobs, from the copy-out to the end of the write to every tier."),
+    _doc("kvplugin_block_lifetime_seconds", "histogram", "",
+         "Sampled device blocks (layout.metrics_collector_sample_rate), from allocation to "
+         "their reuse for another block (no samples when sampling is off)."),
+    _doc("kvplugin_block_idle_seconds", "histogram", "",
+         "Sampled device blocks: from their last hit (or allocation) to their reuse."),
+    _doc("kvplugin_block_reuse_gap_seconds", "histogram", "",
+         "Sampled device blocks: the time between consecutive hits (the last few per block)."),
     _doc("kvplugin_inflight_jobs", "gauge", "kind",
          "Load and store jobs running now."),
     _doc("kvplugin_store_bytes_in_flight", "gauge", "",
@@ -162,6 +169,7 @@ class Snapshot:
     stats: OffloadStats
     tenants: Mapping[str, TenantStats]
     latency: Latency
+    residency: Residency | None  # None: the core samples no blocks
     tier_stats: Sequence[ConnectorStats]  # per level
     tier_labels: Mapping[str, str]  # tier name -> label
     level_labels: Sequence[str]  # per level
@@ -177,7 +185,7 @@ def snapshot(mgr: AsyncKVManager, labels: Sequence[str]) -> Snapshot:
     pool = mgr.core.block_pool
     return Snapshot(
         offload=mgr.offload, stats=mgr.stats(), tenants=mgr.tenant_stats(),
-        latency=mgr.latency(), tier_stats=mgr.tier_stats(),
+        latency=mgr.latency(), residency=mgr.residency(), tier_stats=mgr.tier_stats(),
         tier_labels=dict(zip(mgr.tiers, labels, strict=True)), level_labels=list(labels),
         free_blocks=pool.get_num_free_blocks(), total_blocks=pool.num_gpu_blocks - 1,
         held_blocks=mgr.num_held_blocks, jobs=mgr.pending_jobs(),
@@ -379,6 +387,10 @@ def _histograms(s: Snapshot) -> Iterator[Metric]:
         loads[key] = loads[key] + h if key in loads else h
     yield _histogram("kvplugin_load_latency_seconds", loads)
     yield _histogram("kvplugin_store_latency_seconds", {(): lat.store})
+    r = s.residency
+    yield _histogram("kvplugin_block_lifetime_seconds", {(): r.lifetime} if r else {})
+    yield _histogram("kvplugin_block_idle_seconds", {(): r.idle} if r else {})
+    yield _histogram("kvplugin_block_reuse_gap_seconds", {(): r.reuse_gap} if r else {})
 
 
 def _gauges(s: Snapshot) -> Iterator[Metric]:

@@ -398,3 +398,40 @@ def test_kvplugin_run_metrics_port_serves_every_metric() -> None:
     for name in METRIC_NAMES:
         assert f"# TYPE {name} " in text, name
     assert '"requests": 300' in out.splitlines()[-1]
+
+
+@pytest.mark.asyncio
+async def test_block_residency_reaches_the_histograms_once_per_eviction() -> None:
+    cfg = validate({**DOC, "layout": {**DOC["layout"], "metrics_collector_sample_rate": 1.0},
+                    "faults": {"rate": 0.0}}, "test")
+    async with deployment(cfg) as dep:
+        collector = dep.mgr.core.metrics_collector
+        assert collector is not None and collector.sample_rate == 1.0
+        seen: list[int] = []
+        real_drain = collector.drain_events
+
+        def counting_drain() -> Any:
+            events = real_drain()
+            seen.append(len(events))
+            return events
+
+        collector.drain_events = counting_drain  # type: ignore[method-assign]
+        await serve_waves(dep)
+        first = parse(generate_latest(build_registry(dep)).decode())
+        again = parse(generate_latest(build_registry(dep)).decode())
+    evictions = sum(seen)
+    assert evictions > 0  # a 39-block pool serving 27 requests of 10 blocks reuses blocks
+    for name in ("kvplugin_block_lifetime_seconds", "kvplugin_block_idle_seconds"):
+        assert value(first, f"{name}_count") == evictions  # one observation per eviction
+        assert value(again, f"{name}_count") == evictions  # drained once, counted once
+        assert value(first, f"{name}_bucket", le="+Inf") == evictions
+    gaps = value(first, "kvplugin_block_reuse_gap_seconds_count")
+    assert gaps == value(again, "kvplugin_block_reuse_gap_seconds_count") > 0  # waves hit
+
+
+@pytest.mark.asyncio
+async def test_no_residency_samples_without_a_sample_rate() -> None:
+    async with deployment(config()) as dep:
+        assert dep.mgr.core.metrics_collector is None and dep.mgr.residency() is None
+        v = parse(generate_latest(build_registry(dep)).decode())
+    assert not [k for k in v if k[0].startswith("kvplugin_block_")]

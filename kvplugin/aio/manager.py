@@ -73,6 +73,8 @@ from kvplugin.aio.values import (
     Lookup,
     OffloadConfig,
     OffloadStats,
+    Residency,
+    ResidencyRecorder,
     StoreMode,
 )
 from kvplugin.core.hashing import BlockHasher, HashContext
@@ -169,6 +171,7 @@ class AsyncKVManager:
         self._jobs: set[LoadJob | StoreJob] = self.tenants.jobs
         self._holds = Holds(core)
         self._latency = LatencyRecorder(self.tiers)
+        self._residency = ResidencyRecorder()
         self._loads: Loads | None = None
         self._stores: Stores | None = None
         if connector is not None:
@@ -567,6 +570,16 @@ class AsyncKVManager:
 
     def stats(self) -> OffloadStats:
         return self._stats.copy()
+
+    def residency(self) -> Residency | None:
+        """Block residency histograms when the core samples blocks (its
+        ``metrics_collector``), else None. Reading drains the collector's eviction events
+        into cumulative histograms, so every event is counted once."""
+        collector = self.core.metrics_collector
+        if collector is None:
+            return None
+        self._residency.absorb(collector.drain_events())
+        return self._residency.snapshot()
 
     def latency(self) -> Latency:
         """Snapshots of the lookup, load (per tier) and store latency histograms."""

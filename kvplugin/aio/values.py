@@ -6,14 +6,16 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 from kvplugin.core.manager import KVCacheBlocks
+from kvplugin.core.metrics import KVCacheEvictionEvent
 
 __all__ = [
     "BOUNDS",
+    "RESIDENCY_BOUNDS",
     "Admission",
     "Histogram",
     "Latency",
@@ -24,6 +26,8 @@ __all__ = [
     "Lookup",
     "OffloadConfig",
     "OffloadStats",
+    "Residency",
+    "ResidencyRecorder",
     "StoreMode",
 ]
 
@@ -277,3 +281,41 @@ class LatencyRecorder:
     def snapshot(self) -> Latency:
         return Latency(self.lookup.copy(), self.store.copy(),
                        MappingProxyType({t: h.copy() for t, h in self.load.items()}))
+
+
+# Block residency (the core's KVCacheMetricsCollector, when the layout samples blocks): how
+# long a device block lived before it was reused, how long it sat idle since its last hit,
+# and the gaps between its hits. Seconds to hours, not the I/O's milliseconds.
+RESIDENCY_BOUNDS: tuple[float, ...] = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0,
+                                       14400.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """A snapshot of the residency histograms (copies)."""
+
+    lifetime: Histogram
+    idle: Histogram
+    reuse_gap: Histogram
+
+
+class ResidencyRecorder:
+    """Cumulative residency histograms, fed with the collector's eviction events (which
+    ``drain_events`` hands over once)."""
+
+    __slots__ = ("idle", "lifetime", "reuse_gap")
+
+    def __init__(self) -> None:
+        self.lifetime = Histogram(RESIDENCY_BOUNDS)
+        self.idle = Histogram(RESIDENCY_BOUNDS)
+        self.reuse_gap = Histogram(RESIDENCY_BOUNDS)
+
+    def absorb(self, events: Iterable[KVCacheEvictionEvent]) -> None:
+        for e in events:
+            self.lifetime.observe(e.lifetime_seconds)
+            self.idle.observe(e.idle_seconds)
+            for gap in e.reuse_gaps_seconds:
+                self.reuse_gap.observe(gap)
+
+    def snapshot(self) -> Residency:
+        return Residency(self.lifetime.copy(), self.idle.copy(), self.reuse_gap.copy())

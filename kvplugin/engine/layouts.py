@@ -16,6 +16,7 @@ from kvplugin.aio.values import OffloadConfig
 from kvplugin.config import GroupConfig, LayoutConfig, ModelConfig
 from kvplugin.core.hashing import HashContext
 from kvplugin.core.manager import KVCacheManager
+from kvplugin.core.metrics import KVCacheMetricsCollector
 from kvplugin.core.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -73,7 +74,9 @@ def build_core(layout: LayoutConfig, model: ModelConfig) -> tuple[KVCacheManager
         max_in_flight_tokens=layout.max_in_flight_tokens, use_eagle=layout.use_eagle,
         log_stats=layout.log_stats, enable_kv_cache_events=layout.enable_kv_cache_events,
         watermark=layout.watermark,
-        enable_mamba_shared_prefix_checkpoint=layout.enable_mamba_shared_prefix_checkpoint)
+        enable_mamba_shared_prefix_checkpoint=layout.enable_mamba_shared_prefix_checkpoint,
+        metrics_collector=(None if layout.metrics_collector_sample_rate is None else
+                           KVCacheMetricsCollector(layout.metrics_collector_sample_rate)))
     return core, HashContext.create(layout.hash_fn, layout.none_hash_seed)
 
 
