@@ -49,6 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import redis.asyncio as aioredis
@@ -59,6 +60,7 @@ from redis.asyncio.cluster import ClusterNode
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
+from connectors.base import Connector  # noqa: E402
 from connectors.cluster_testing import LocalRedisCluster  # noqa: E402
 from connectors.disk import DiskConnector  # noqa: E402
 from connectors.faults import LocalRedisServer  # noqa: E402
@@ -137,17 +139,14 @@ def make_items(size: int, count: int, distinct: int, tenant: str) -> list[tuple[
 # --- Redis ---------------------------------------------------------------------------------
 
 
-async def bench_redis(
-    url: str, items: Sequence[tuple[ObjectKey, Block]], args: argparse.Namespace
-) -> tuple[Phase, Phase]:
-    conc = args.concurrency
-    raw_pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=conc)
-    raw = aioredis.Redis(connection_pool=raw_pool)
-    conn = RedisConnector(
-        RedisOptions(url=url, max_connections=conc, socket_timeout=TIMEOUT), secret=args.key
-    )
+Op = Callable[[int], Awaitable[None]]
+
+
+def _redis_ops(raw: Any, conn: Connector, items: Sequence[tuple[ObjectKey, Block]]
+               ) -> tuple[Op, Op, Op, Op]:
+    """Item i's raw SET / GET (``raw``: a redis-py client, single node or cluster) and the
+    connector's put / get of the same payload."""
     raw_keys = [f"raw:{i}".encode() for i in range(len(items))]
-    store, load = Phase(), Phase()
 
     async def raw_set(i: int) -> None:
         await raw.set(raw_keys[i], items[i][1].payload)
@@ -163,6 +162,21 @@ async def bench_redis(
     async def conn_get(i: int) -> None:
         if (await conn.get([items[i][0]], timeout=TIMEOUT))[0] is None:
             raise RuntimeError("connector get missed")
+
+    return raw_set, raw_get, conn_put, conn_get
+
+
+async def bench_redis(
+    url: str, items: Sequence[tuple[ObjectKey, Block]], args: argparse.Namespace
+) -> tuple[Phase, Phase]:
+    conc = args.concurrency
+    raw_pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=conc)
+    raw = aioredis.Redis(connection_pool=raw_pool)
+    conn = RedisConnector(
+        RedisOptions(url=url, max_connections=conc, socket_timeout=TIMEOUT), secret=args.key
+    )
+    store, load = Phase(), Phase()
+    raw_set, raw_get, conn_put, conn_get = _redis_ops(raw, conn, items)
 
     try:
         for _ in range(args.rounds):
@@ -191,23 +205,8 @@ async def bench_cluster(
     conn = RedisClusterConnector(
         RedisClusterOptions(url=url, max_connections=conc, socket_timeout=TIMEOUT), secret=args.key
     )
-    raw_keys = [f"raw:{i}".encode() for i in range(len(items))]
     store, load = Phase(), Phase()
-
-    async def raw_set(i: int) -> None:
-        await raw.set(raw_keys[i], items[i][1].payload)
-
-    async def raw_get(i: int) -> None:
-        if await raw.get(raw_keys[i]) is None:
-            raise RuntimeError("raw GET missed")
-
-    async def conn_put(i: int) -> None:
-        if await conn.put([items[i]], timeout=TIMEOUT) != 1:
-            raise RuntimeError("connector put failed")
-
-    async def conn_get(i: int) -> None:
-        if (await conn.get([items[i][0]], timeout=TIMEOUT))[0] is None:
-            raise RuntimeError("connector get missed")
+    raw_set, raw_get, conn_put, conn_get = _redis_ops(raw, conn, items)
 
     try:
         for _ in range(args.rounds):
