@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -188,6 +189,9 @@ def _check_run_flags(args: argparse.Namespace) -> str | None:
         return "--metrics-linger needs --metrics-port"
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         return f"--plot {args.plot}: no such directory"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Checked before the run, not after it: matplotlib is an optional extra.
+        return "--plot needs matplotlib: pip install 'kvplugin[plot]'"
     return None
 
 

@@ -5,6 +5,7 @@ endpoint's lifecycle."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -23,6 +24,8 @@ from kvplugin.engine.plot import plot_runs, rolling_median, shares
 from kvplugin.engine.progress import ProgressBar, postfix, wanted
 from kvplugin.engine.report import CONTRACT_KEYS, RunReport, Sample, mib
 from kvplugin.engine.run import serve
+
+_find_spec = importlib.util.find_spec
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -261,6 +264,11 @@ def test_bad_flags_are_refused_before_the_run_and_validate_config_is_a_command(
                       (["--plot", str(tmp_path / "missing" / "x.png")], "no such directory")]:
         rc, _, err = _main(capsys, *args)
         assert rc == 2 and why in err
+    with monkeypatch.context() as m:  # matplotlib is an optional extra: said before the run
+        m.setattr("importlib.util.find_spec",
+                  lambda name, *a: None if name == "matplotlib" else _find_spec(name, *a))
+        rc, out, err = _main(capsys, "--plot", str(tmp_path / "x.png"))
+        assert rc == 2 and "pip install 'kvplugin[plot]'" in err and not out
     monkeypatch.setenv("KVPLUGIN_OFFLOAD__ENABLED", "false")
     rc, _, err = _main(capsys, "--compare-no-offload")
     assert rc == 2 and "needs a config with offload enabled" in err
