@@ -193,9 +193,8 @@ class HostKVMemory:
     def copy_out(self, group: int, block_ids: Sequence[int]) -> Rows:
         """A private, read-only copy of the rows (the source blocks may be reused right
         after), over the ``bytes`` of :meth:`copy_out_bytes`."""
-        width = self.shapes[group].page_bytes if 0 <= group < len(self.shapes) else 0
-        data = self.copy_out_bytes(group, block_ids)
-        return np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
+        data = self.copy_out_bytes(group, block_ids)  # checks the group and the ids
+        return np.frombuffer(data, dtype=np.uint8).reshape(-1, self.shapes[group].page_bytes)
 
     def copy_out_bytes(self, group: int, block_ids: Sequence[int]) -> bytes:
         """The rows' bytes, copied once into an immutable ``bytes``: what a store hands the

@@ -235,7 +235,7 @@ class Stores(JobSide):
                                   dtype=shape.dtype,
                                   shape=(self._layout.chunk_blocks, *shape.dims))
             items.append((c.key, Block(meta, payload)))
-            nbytes += len(payload) if isinstance(payload, bytes) else payload.nbytes
+            nbytes += memoryview(payload).nbytes
         job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
                        owner=st, states=num_states,
                        partial_tails=sum(c.tail for c in take), first_token=first_token,

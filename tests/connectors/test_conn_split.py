@@ -48,9 +48,9 @@ def test_a_flipped_byte_in_any_piece_is_caught(piece: str) -> None:
     key, _, enc = _encoded("bytes")
     split = split_if_immutable(enc)
     assert split is not None
-    for at in range(0, len(getattr(split, piece)) if piece != "payload" else split.payload.nbytes,
-                    97):
-        parts = {"head": split.head, "payload": bytes(split.payload), "tail": split.tail}
+    intact = {"head": split.head, "payload": bytes(split.payload), "tail": split.tail}
+    for at in range(0, len(intact[piece]), 97):
+        parts = dict(intact)
         bad = bytearray(parts[piece])
         bad[at] ^= 0x40
         parts[piece] = bytes(bad)
