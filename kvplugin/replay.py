@@ -236,8 +236,7 @@ class Replayer:
                 "pcp_world_size": self.pcp,
                 "prefix_cacheable_group_ids": [i for i, m in enumerate(managers)
                                                if m.kv_cache_spec.prefix_cacheable],
-                "retained_hit_group_ids": [i for i, m in enumerate(managers)
-                                           if m.retains_longer_hit],
+                "retained_hit_group_ids": list(self.manager.retained_hit_group_ids),
                 "zeroing_group_ids": [i for i, m in enumerate(managers)
                                       if m._record_new_block_ids],
                 "metrics_collector_sample_rate": self.metrics_rate,

@@ -175,6 +175,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if not isinstance(sg.spec, FullAttentionSpec):
                 continue
             m = self.single_type_managers[sg.group_ids[0]]
+            if m.retains_longer_hit:
+                # Keeps its longer hit (and length); allocate_slots trims it to the reuse.
+                continue
             keep = cdiv(hit_length, m.block_size)
             for gid in sg.group_ids:
                 kept = blocks_by_group[gid]

@@ -151,6 +151,11 @@ class KVCacheManager:
                     m.shared_prefix_checkpoint = True
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
+        # Groups whose manager keeps a hit longer than the reconciled one (vLLM: HiSparse's
+        # host tier); allocate_slots trims their hits to what the step actually reuses.
+        self.retained_hit_group_ids = tuple(
+            m.kv_cache_group_id for m in self.coordinator.single_type_managers
+            if m.retains_longer_hit)
         self.metrics_collector = metrics_collector
         self.block_pool.metrics_collector = metrics_collector
         self.kv_cache_config = kv_cache_config
@@ -273,6 +278,9 @@ class KVCacheManager:
             if len(hits) != self.num_kv_cache_groups:
                 raise ValueError(f"new_computed_blocks has {len(hits)} groups, the manager "
                                  f"{self.num_kv_cache_groups}")
+            if self.retained_hit_group_ids:
+                hits = self._trim_retained_hits(
+                    hits, num_new_computed_tokens + num_external_computed_tokens)
             if any(hits):
                 self._check_can_adopt(request.request_id)
         coord = self.coordinator
@@ -320,6 +328,20 @@ class KVCacheManager:
             # Cache at scheduling time; capping at T leaves draft tokens out.
             coord.cache_blocks(request, main if main < num_tokens else num_tokens)
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _trim_retained_hits(self, hits: tuple[Sequence[KVCacheBlock], ...], reused: int
+                            ) -> tuple[Sequence[KVCacheBlock], ...]:
+        """Cut each retained-hit group's hits to the blocks covering the ``reused`` (local +
+        external) tokens.  The blocks cut off are left untouched (no ref, no touch).
+
+        Always a new tuple, as in vLLM: so even the empty singleton then counts as hits to
+        adopt (which registers a new request in every group with an empty table).
+        """
+        groups = list(hits)
+        managers = self.coordinator.single_type_managers
+        for gid in self.retained_hit_group_ids:
+            groups[gid] = groups[gid][:cdiv(reused, managers[gid].block_size)]
+        return tuple(groups)
 
     # ------------------------------------------------------------------ reservations
     # What vLLM's Scheduler computes by reaching into the coordinator (its

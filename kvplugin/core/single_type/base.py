@@ -24,6 +24,8 @@ class SingleTypeKVCacheManager:
     """Base class: full-attention-like defaults (nothing ever leaves the window)."""
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    # Keeps a hit longer than the reconciled one (vLLM: HiSparse's host tier): the hybrid
+    # lookup does not truncate it and allocate_slots trims it to the reused tokens.
     retains_longer_hit: ClassVar[bool] = False
     # False only for families whose remove_skipped_blocks can never free anything.
     releases_window_blocks: ClassVar[bool] = True
