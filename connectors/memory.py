@@ -4,17 +4,25 @@ It is both the CPU tier and the fake the tests use, so it stores the same verifi
 every other connector (a flipped byte in memory is caught exactly like one on disk).
 Everything runs on the event loop without awaiting, so it never times out.
 
-A put copies the object once, into one new ``bytes``, since the caller may reuse its
-buffers as soon as put returns; except when the payload is a view of a ``bytes`` (the
-async manager's copy-out hands over such a private copy): nobody can change that, so it is
-kept as it is, beside a copy of the small pieces around it (:class:`~kvplugin.serde.
-SplitObject`). That saves the store path a second copy of every payload.
+A put copies the object once, since the caller may reuse its buffers as soon as put
+returns; except when the payload is immutable, a view of a ``bytes`` or a sealed slot of
+the payload pool (the async manager's copy-out hands over such a private copy): nobody can
+change that, so it is kept as it is, beside a copy of the small pieces around it
+(:class:`~kvplugin.serde.SplitObject`). That saves the store path a second copy of every
+payload. A payload that must be copied goes into a slot of the payload pool
+(:mod:`kvplugin.buffers`), memory already faulted in, rather than a fresh allocation.
+
+``reserve=True`` maps and faults in the whole capacity in that pool at construction, as
+LMCache pre-allocates its CPU buffer: stores then never fault memory in on the serving path
+(the first fill of fresh memory costs about 1 ms per MiB on the VMs measured here).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
 
 from connectors.base import (
     Capabilities,
@@ -25,6 +33,7 @@ from connectors.base import (
     decode_or_error,
     finish,
 )
+from kvplugin.buffers import MIN_POOLED_BYTES, PayloadPool, default_pool
 from kvplugin.serde import SplitObject, split_if_immutable
 
 if TYPE_CHECKING:
@@ -48,10 +57,16 @@ class MemoryConnector(StoreBase):
         name: str = "memory",
         secret: bytes | None = None,
         previous_secrets: Sequence[bytes] = (),
+        reserve: bool = False,
+        pool: PayloadPool | None = None,
     ) -> None:
-        """``secret``/``previous_secrets``: see :class:`~connectors.base.StoreBase`."""
+        """``secret``/``previous_secrets``: see :class:`~connectors.base.StoreBase`.
+        ``reserve``: fault the capacity in now (see the module's doc); ``pool``: where
+        copies go (the process's :func:`~kvplugin.buffers.default_pool` by default)."""
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if type(reserve) is not bool:
+            raise TypeError(f"reserve must be a bool, got {reserve!r}")
         super().__init__(
             name=name,
             capabilities=Capabilities(
@@ -63,6 +78,10 @@ class MemoryConnector(StoreBase):
         self.capacity_bytes = capacity_bytes
         self._objects: OrderedDict[str, bytes | SplitObject] = OrderedDict()
         self._used = 0
+        self._pool = default_pool() if pool is None else pool
+        self._reserved = capacity_bytes if reserve else 0
+        if reserve:
+            self._pool.reserve(capacity_bytes)
 
     @property
     def used_bytes(self) -> int:
@@ -116,9 +135,21 @@ class MemoryConnector(StoreBase):
             self._used -= _size(victim)
             self._stats.evicted += 1
         # One copy at most: the caller's buffers may be reused as soon as put returns.
-        self._objects[sid] = split_if_immutable(enc) or enc.join()
+        self._objects[sid] = split_if_immutable(enc) or self._copy(enc)
         self._used += enc.nbytes
         return PutOutcome.WRITTEN
+
+    def _copy(self, enc: EncodedBlock) -> bytes | SplitObject:
+        if len(enc.parts) != 3 or memoryview(enc.parts[1]).nbytes < MIN_POOLED_BYTES:
+            return enc.join()
+        head, payload, tail = enc.parts
+        src = memoryview(payload).cast("B")
+
+        def write(out: Any) -> None:
+            out[:] = np.frombuffer(src, dtype=np.uint8)  # one memcpy
+
+        view = memoryview(cast("Buffer", self._pool.fill(src.nbytes, write)))
+        return SplitObject(bytes(head), view, bytes(tail))
 
     async def _remove(self, ids: list[str]) -> int:
         n = 0
@@ -135,6 +166,9 @@ class MemoryConnector(StoreBase):
     async def _close(self) -> None:
         self._objects.clear()
         self._used = 0
+        if self._reserved:
+            self._pool.unreserve(self._reserved)
+            self._reserved = 0
 
 
 def _size(obj: bytes | SplitObject) -> int:

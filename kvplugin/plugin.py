@@ -69,8 +69,6 @@ def build_tiers(off: OffloadConfigSection, disk_root: str | None,
     if not off.enabled:
         return []
     tiers: list[Connector] = []
-    if off.local_cpu:
-        tiers.append(MemoryConnector(capacity_bytes=int(off.max_local_cpu_size * GB)))
     if off.local_disk is not None:
         if disk_root is None:
             raise ValueError("a disk tier needs a directory")
@@ -83,6 +81,9 @@ def build_tiers(off: OffloadConfigSection, disk_root: str | None,
             tiers.append(create(spec.kind, spec.options))
         except RegistryError as e:
             raise ConfigError(f"offload.connectors.{i}: {e}") from None
+    if off.local_cpu:  # built last: a reserved tier holds memory from construction on
+        tiers.insert(0, MemoryConnector(capacity_bytes=int(off.max_local_cpu_size * GB),
+                                        reserve=off.local_cpu_reserve))
     return [wrap(t) for t in tiers] if wrap is not None else tiers
 
 

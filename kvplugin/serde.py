@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa  # type: ignore[import-untyped]
 
+from kvplugin.buffers import Sealed
 from kvplugin.serde_mac import FLAG_MAC, PLAIN, PLAIN_DIGEST, Codec, Sealer
 
 if TYPE_CHECKING:
@@ -499,13 +500,14 @@ class SplitObject:
 
 
 def split_if_immutable(enc: EncodedBlock) -> SplitObject | None:
-    """``enc`` as a :class:`SplitObject` when its payload piece is a view of ``bytes``
-    (nobody can change it: keeping it is as safe as a copy), else None."""
+    """``enc`` as a :class:`SplitObject` when its payload piece is a view of ``bytes`` or
+    of a sealed pool slot (:class:`kvplugin.buffers.Sealed`): nobody can change either,
+    so keeping it is as safe as a copy. Else None."""
     if len(enc.parts) != 3:
         return None
     head, payload, tail = enc.parts
-    if not (isinstance(payload, memoryview) and payload.readonly
-            and type(payload.obj) is bytes and payload.c_contiguous):
+    if not (isinstance(payload, memoryview) and payload.readonly and payload.c_contiguous
+            and (type(payload.obj) is bytes or isinstance(payload.obj, Sealed))):
         return None
     view = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
     return SplitObject(bytes(head), view, bytes(tail))

@@ -148,6 +148,24 @@ def test_disk_io_threads_are_passed_through(monkeypatch: pytest.MonkeyPatch) -> 
     assert seen == [None, 3]
 
 
+def test_local_cpu_reserve_faults_the_memory_tier_in_until_closed() -> None:
+    from kvplugin.buffers import default_pool
+
+    pool = default_pool()
+    env = {"KVPLUGIN_OFFLOAD__LOCAL_CPU_RESERVE": "true",
+           "KVPLUGIN_OFFLOAD__MAX_LOCAL_CPU_SIZE": "0.03"}  # 32 MB, 4 slabs of 8 MiB
+
+    async def main() -> None:
+        async with load_plugin(env=env) as plugin:
+            mem = plugin.connector.tiers[0]  # type: ignore[attr-defined]
+            assert isinstance(mem, MemoryConnector) and mem._reserved == mem.capacity_bytes
+            assert pool._reserved >= mem.capacity_bytes
+            assert pool.mapped_bytes >= mem.capacity_bytes
+    before = pool._reserved
+    asyncio.run(main())
+    assert pool._reserved == before  # given back at close
+
+
 def test_offload_off_builds_no_tier_and_drops_tier_quotas() -> None:
     path = REPO / "configs" / "multi_tenant.yaml"
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 from kvplugin.core.specs import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -169,6 +170,7 @@ class HostKVMemory:
         self.shapes = tuple(shapes)
         self._arrays: list[Rows] = [np.zeros((num_blocks, s.page_bytes), dtype=np.uint8)
                                     for s in self.shapes]
+        self.pool = default_pool()  # where copy-outs go (shared with the memory tier)
 
     @classmethod
     def for_config(cls, config: KVCacheConfig) -> HostKVMemory:
@@ -192,17 +194,28 @@ class HostKVMemory:
 
     def copy_out(self, group: int, block_ids: Sequence[int]) -> Rows:
         """A private, read-only copy of the rows (the source blocks may be reused right
-        after), over the ``bytes`` of :meth:`copy_out_bytes`."""
+        after), over the buffer of :meth:`copy_out_bytes`."""
         data = self.copy_out_bytes(group, block_ids)  # checks the group and the ids
         return np.frombuffer(data, dtype=np.uint8).reshape(-1, self.shapes[group].page_bytes)
 
-    def copy_out_bytes(self, group: int, block_ids: Sequence[int]) -> bytes:
-        """The rows' bytes, copied once into an immutable ``bytes``: what a store hands the
+    def copy_out_bytes(self, group: int, block_ids: Sequence[int]) -> bytes | Sealed:
+        """The rows' bytes, copied once into an immutable buffer: what a store hands the
         tiers in copy mode. Being immutable, the memory tier keeps it as it is instead of
-        copying it again (see ``connectors.memory``)."""
+        copying it again (see ``connectors.memory``). A big copy goes into a sealed slot of
+        the payload pool (memory already faulted in, reused once the tiers let go of it),
+        a small one into a new ``bytes``."""
         ids = self._check_ids(group, block_ids)
         arr = self._arrays[group]
-        return b"".join([arr[b].data for b in ids])
+        width = arr.shape[1]
+        if len(ids) * width < MIN_POOLED_BYTES:
+            return b"".join([arr[b].data for b in ids])
+
+        def write(out: Rows) -> None:
+            rows = out.reshape(len(ids), width)
+            for i, b in enumerate(ids):  # row by row: faster than a gather into ``out``
+                rows[i] = arr[b]
+
+        return self.pool.fill(len(ids) * width, write)
 
     def copy_in(self, group: int, block_ids: Sequence[int], data: Any) -> None:
         """Write ``len(block_ids)`` pages of bytes (any buffer, e.g. a loaded payload)."""

@@ -1,0 +1,179 @@
+"""The payload pool (kvplugin.buffers): sealed slots are read-only, come back only when the
+last reference is gone (from any thread), are reused, and reservations keep memory mapped;
+the memory tier copies mutable payloads into it and keeps sealed ones as they are."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from conn_testlib import T, make_block, namespace
+
+from connectors.memory import MemoryConnector
+from kvplugin import serde
+from kvplugin.buffers import _SLAB_BYTES, MIN_POOLED_BYTES, PayloadPool, Sealed
+from kvplugin.serde import SplitObject, decode, encode, split_if_immutable
+
+NS = namespace()
+SLOT = 1 << 20
+
+
+def _fill(pool: PayloadPool, value: int, nbytes: int = SLOT) -> Sealed:
+    return pool.fill(nbytes, lambda out: out.fill(value))
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def test_a_sealed_slot_is_read_only_and_holds_what_was_written() -> None:
+    pool = PayloadPool()
+    s = _fill(pool, 7, 100_000)
+    assert type(s) is Sealed and s.nbytes == 100_000 and (s == 7).all()
+    assert memoryview(s).readonly
+    with pytest.raises(ValueError):
+        s[0] = 1
+
+
+def test_a_slot_comes_back_only_when_every_view_of_it_is_gone() -> None:
+    pool = PayloadPool()
+    s = _fill(pool, 1)
+    first = _addr(s)
+    view = memoryview(s).cast("B")[10:]  # keeps the slot alive on its own
+    del s
+    gc.collect()
+    t = _fill(pool, 2)
+    assert _addr(t) != first and view[0] == 1  # not reused under a reader
+    del view
+    gc.collect()
+    u = _fill(pool, 3)
+    assert _addr(u) == first and (t == 2).all()  # reused once nobody refers to it
+
+
+def test_a_failing_write_gives_the_slot_back() -> None:
+    pool = PayloadPool()
+
+    def boom(out: np.ndarray) -> None:
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError):
+        pool.fill(SLOT, boom)
+    s = _fill(pool, 4)
+    assert pool.mapped_bytes == _SLAB_BYTES and (s == 4).all()
+
+
+def test_slots_given_back_from_other_threads_are_reused() -> None:
+    pool = PayloadPool()
+    slots = [_fill(pool, i) for i in range(16)]
+    assert pool.mapped_bytes == 2 * _SLAB_BYTES
+    box = [slots]
+    del slots
+
+    def drop() -> None:
+        box.clear()  # the last references die on this thread
+
+    th = threading.Thread(target=drop)
+    th.start()
+    th.join()
+    gc.collect()
+    again = [_fill(pool, 9) for _ in range(16)]
+    assert pool.mapped_bytes == 2 * _SLAB_BYTES and all((s == 9).all() for s in again)
+
+
+def test_free_slabs_are_kept_up_to_the_retained_bytes_then_unmapped() -> None:
+    pool = PayloadPool(retain_bytes=_SLAB_BYTES)
+    slots = [_fill(pool, 1) for _ in range(24)]  # 3 slabs of 8 slots
+    assert pool.mapped_bytes == 3 * _SLAB_BYTES
+    del slots
+    gc.collect()
+    assert pool.mapped_bytes == _SLAB_BYTES and pool.spare_bytes == _SLAB_BYTES
+    assert pool.trim() == _SLAB_BYTES and pool.mapped_bytes == 0
+
+
+def test_a_spare_slab_is_carved_anew_for_another_slot_size() -> None:
+    pool = PayloadPool()
+    s = _fill(pool, 1)
+    del s
+    gc.collect()
+    assert pool.spare_bytes == _SLAB_BYTES
+    t = _fill(pool, 2, 3 * SLOT)  # the free mapping, now two 3 MiB slots
+    assert pool.mapped_bytes == _SLAB_BYTES and (t == 2).all()
+    big = _fill(pool, 3, _SLAB_BYTES + 1)  # bigger than a slab: its own mapping
+    assert big.nbytes == _SLAB_BYTES + 1 and pool.mapped_bytes > 2 * _SLAB_BYTES
+
+
+def test_reserve_maps_now_and_keeps_it_until_unreserved() -> None:
+    pool = PayloadPool(retain_bytes=0)
+    pool.reserve(3 * _SLAB_BYTES)
+    assert pool.mapped_bytes == pool.spare_bytes == 3 * _SLAB_BYTES
+    slots = [_fill(pool, 5) for _ in range(24)]
+    assert pool.mapped_bytes == 3 * _SLAB_BYTES  # filled from the reservation
+    del slots
+    gc.collect()
+    assert pool.mapped_bytes == 3 * _SLAB_BYTES  # retain 0, but reserved
+    pool.unreserve(3 * _SLAB_BYTES)
+    assert pool.mapped_bytes == 0
+    with pytest.raises(ValueError):
+        pool.unreserve(1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "1"])
+def test_misuse_is_refused(bad: object) -> None:
+    pool = PayloadPool()
+    with pytest.raises(ValueError):
+        pool.fill(bad, lambda out: None)  # type: ignore[arg-type]
+    if bad != 0:
+        with pytest.raises(ValueError):
+            pool.reserve(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        PayloadPool(retain_bytes=-1)
+
+
+def _big_block(kind: str) -> tuple[serde.Block, bytes]:
+    key = NS.key(b"\x09" * 32)
+    block = make_block(key, MIN_POOLED_BYTES, rows=2)
+    raw = bytes(memoryview(block.payload).cast("B"))
+    payload = {"bytearray": bytearray(raw),
+               "sealed": PayloadPool().fill(len(raw), lambda out: out.__setitem__(
+                   slice(None), np.frombuffer(raw, dtype=np.uint8)))}[kind]
+    return serde.Block(block.meta, payload), raw
+
+
+def test_split_keeps_a_sealed_payload_as_it_is() -> None:
+    block, raw = _big_block("sealed")
+    enc = encode(block.meta, block.payload)
+    split = split_if_immutable(enc)
+    assert isinstance(split, SplitObject) and split.payload.obj is block.payload
+    assert bytes(decode(split, key=NS.key(b"\x09" * 32).id).payload) == raw
+
+
+@pytest.mark.asyncio
+async def test_memory_tier_copies_a_mutable_payload_into_a_pool_slot() -> None:
+    key = NS.key(b"\x09" * 32)
+    block, raw = _big_block("bytearray")
+    pool = PayloadPool()
+    async with MemoryConnector(capacity_bytes=4 << 20, pool=pool) as conn:
+        assert await conn.put([(key, block)], timeout=T) == 1
+        kept = conn._objects[key.id]
+        assert isinstance(kept, SplitObject) and type(kept.payload.obj) is Sealed
+        block.payload[:] = bytes(len(raw))  # type: ignore[index]  # the caller reuses it
+        (got,) = await conn.get([key], timeout=T)
+        assert got is not None and bytes(got.payload) == raw
+        assert pool.mapped_bytes == _SLAB_BYTES
+        assert await conn.delete([key], timeout=T) == 1
+    del kept, got
+    gc.collect()
+    assert pool.spare_bytes == _SLAB_BYTES  # the slot came back
+
+
+@pytest.mark.asyncio
+async def test_a_reserving_memory_tier_maps_its_capacity_until_closed() -> None:
+    pool = PayloadPool(retain_bytes=0)
+    conn = MemoryConnector(capacity_bytes=2 * _SLAB_BYTES, pool=pool, reserve=True)
+    assert pool.mapped_bytes == 2 * _SLAB_BYTES
+    await conn.aclose()
+    assert pool.mapped_bytes == 0
+    with pytest.raises(TypeError):
+        MemoryConnector(capacity_bytes=1 << 20, reserve=1)  # type: ignore[arg-type]
