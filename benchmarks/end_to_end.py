@@ -116,6 +116,7 @@ def config(setup: Setup, qa: MultiRoundQA, *, offload: bool) -> KVPluginConfig:
                   setup.no_reuse_prompt_len + setup.no_reuse_answer_len)
     off: dict[str, Any] = {"enabled": offload, "chunk_size": setup.chunk_size,
                            "local_cpu": True, "max_local_cpu_size": tier_gb,
+                           "local_cpu_reserve": True,
                            "local_disk": "temp://" if setup.disk else None,
                            "max_local_disk_size": tier_gb,
                            "store_budget_mb": setup.store_budget_mb,

@@ -202,6 +202,9 @@ class StoreJob:
     started: float = 0.0  # time.perf_counter() before its copy-out
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     ended: JobEnd | None = None
+    # Copy-outs not done at hand-off: run first thing in the job (see Stores._start).
+    prepare: Callable[[], None] | None = field(default=None, repr=False)
+    pending: Any = field(default=None, repr=False)  # what ``prepare`` copies
 
 
 def start(job: LoadJob | StoreJob, coro: Coroutine[Any, Any, None], name: str,
@@ -258,6 +261,8 @@ async def run_store(job: StoreJob, connector: Connector, gate: IOGate, timeout: 
     """Write under one deadline; a failure is logged and counted (by ``release``, which
     reads ``job.ended``), never raised: nobody waits for a store."""
     try:
+        if job.prepare is not None:
+            job.prepare()
         async with asyncio.timeout(timeout):
             deadline = Deadline.after(timeout)
             async with gate.slot(Priority.STORE):

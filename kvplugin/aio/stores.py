@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from connectors.base import Connector, PutItem
 from connectors.keys import ObjectKey
@@ -31,7 +31,10 @@ from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.serde import Block
 
-__all__ = ["Holds", "Stores"]
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["CopyWatch", "Holds", "Stores"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,66 @@ class Holds:
             if not held.jobs:
                 self._held.remove(held)
                 self._core.free_popped_blocks(held.blocks)
+
+
+@dataclass(eq=False, slots=True)
+class _PendingCopy:
+    """A store job's copy-outs not done at hand-off: ``(item index, group, block ids)``."""
+
+    items: list[PutItem]
+    copies: list[tuple[int, int, list[int]]]
+    done: bool = False
+
+
+class CopyWatch:
+    """Copies a store's chunks out of host memory *after* the step that handed them over,
+    in the store job's first step (while the engine's next step runs), instead of on the
+    step path. The blocks are not pinned meanwhile (so the core hands out exactly the
+    blocks it would without offload): the core's reuse hook copies a chunk at once if one
+    of its blocks is handed out before the job ran, before its new owner can write it. A
+    completed block's KV never changes in place (Mamba states do: they are copied at
+    hand-off), so a lazy copy reads what the step wrote."""
+
+    def __init__(self, core: KVCacheManager, memory: HostKVMemory,
+                 stats: OffloadStats) -> None:
+        self._pool = core.block_pool
+        self._memory = memory
+        self._stats = stats
+        self._by_block: dict[int, list[_PendingCopy]] = {}
+
+    def add(self, pc: _PendingCopy) -> None:
+        blocks = self._pool.blocks
+        for _, _, ids in pc.copies:
+            for b in ids:
+                self._by_block.setdefault(b, []).append(pc)
+        self._pool.watch_reuse([blocks[b] for _, _, ids in pc.copies for b in ids],
+                               self._reused)
+
+    def _reused(self, block: KVCacheBlock) -> None:
+        for pc in self._by_block.pop(block.block_id, ()):
+            if not pc.done:
+                self._stats.copies_on_reuse += 1
+                self.run(pc)
+
+    def run(self, pc: _PendingCopy) -> None:
+        if pc.done:
+            return
+        for i, group, ids in pc.copies:
+            key, blk = pc.items[i]
+            data = self._memory.copy_out_bytes(group, ids)
+            pc.items[i] = (key, Block(blk.meta, cast("Buffer", data)))
+        self.discard(pc)
+
+    def discard(self, pc: _PendingCopy) -> None:
+        """Done with (copied, or its job ended first): the hook forgets it."""
+        pc.done = True
+        for _, _, ids in pc.copies:
+            for b in ids:
+                waiting = self._by_block.get(b)
+                if waiting is not None and pc in waiting:
+                    waiting.remove(pc)
+                    if not waiting:
+                        del self._by_block[b]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +171,7 @@ class Stores(JobSide):
         self._storing: set[str] = set()  # key ids of objects being stored
         self._bytes = 0
         self._hbs = self._keyspace.hash_block_size
+        self.copies = CopyWatch(self._core, self._memory, self._stats)
 
     @property
     def bytes_in_flight(self) -> int:
@@ -145,6 +209,18 @@ class Stores(JobSide):
         if take:
             self._start(st, take, len(state_sel.take))
         return len(take)
+
+    def has_new_chunks(self, st: ReqState) -> bool:
+        """Whether the request completed an attention chunk not yet offered: most steps
+        complete none (a decode step adds one token), and an offer without a new chunk
+        or a state to store is a no-op, so callers skip it (the engine's step path)."""
+        req = st.req
+        committed = req.num_computed_tokens
+        if self._config.store_prompt_only:
+            committed = min(committed, req.num_prompt_tokens)
+        ready = min(committed, len(req.block_hashes) * self._hbs)
+        lay = self._layout
+        return any(ready // lay.chunk_tokens(g) > st.next_chunk[g] for g in lay.chunked_groups)
 
     def _select(self, cands: list[_Candidate], used: int) -> plans.StoreSelection:
         sel = plans.select_stores([(c.key.id, c.nbytes) for c in cands], self._storing, used,
@@ -218,13 +294,20 @@ class Stores(JobSide):
         nbytes = 0
         first_token = NO_HOLE
         copy = self._config.store_mode is StoreMode.COPY
+        later: list[tuple[int, int, list[int]]] = []  # chunks copied in the job (CopyWatch)
         for i, c in enumerate(take):
             state = i >= len(take) - num_states
             shape = self._memory.shapes[c.group]
-            # A state block is not kept alive by the request's table: always copied now.
-            # A copy is immutable bytes, which the memory tier keeps without copying again.
-            payload = (self._memory.copy_out_bytes(c.group, c.block_ids) if copy or state
-                       else self._memory.pages(c.group, c.block_ids).data)
+            # A state block changes in place from the next step on: copied now. A copy is
+            # immutable, which the memory tier keeps without copying again.
+            payload: Any
+            if state:
+                payload = self._memory.copy_out_bytes(c.group, c.block_ids)
+            elif copy:
+                payload = b""
+                later.append((i, c.group, c.block_ids))
+            else:
+                payload = self._memory.pages(c.group, c.block_ids).data
             if state:
                 meta = c.key.meta(token_start=0, token_end=c.index, dtype=shape.dtype,
                                   shape=(1, *shape.dims), boundary=c.index)
@@ -235,11 +318,16 @@ class Stores(JobSide):
                                   dtype=shape.dtype,
                                   shape=(self._layout.chunk_blocks, *shape.dims))
             items.append((c.key, Block(meta, payload)))
-            nbytes += memoryview(payload).nbytes
+            nbytes += c.nbytes
         job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
                        owner=st, states=num_states,
                        partial_tails=sum(c.tail for c in take), first_token=first_token,
                        started=started)
+        if later:
+            pending = _PendingCopy(items, later)
+            self.copies.add(pending)
+            job.prepare = lambda: self.copies.run(pending)
+            job.pending = pending
         self._storing |= job.key_ids
         self._bytes += nbytes
         st.stores.add(job)
@@ -250,6 +338,8 @@ class Stores(JobSide):
         self._jobs.add(job)
 
     def _end(self, job: StoreJob) -> None:
+        if job.pending is not None:
+            self.copies.discard(job.pending)
         self._latency.store.observe(time.perf_counter() - job.started)
         self._jobs.discard(job)
         self._storing -= job.key_ids

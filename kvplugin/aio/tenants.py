@@ -631,6 +631,8 @@ class Tenants:
               tails: Sequence[StateOffer] = ()) -> int:
         """``stores.offer``, unless it would take the tenant over a tier byte quota (then
         the whole offer is shed); the counters it moved are the request's tenant's."""
+        if not offers and not tails and not stores.has_new_chunks(st):
+            return 0  # nothing to store: the common case, kept off the step path
         c = self._of(st)
         if st.admitted and st.load is None:
             windows, nbytes = self._pending(st, offers, tails)

@@ -170,6 +170,9 @@ class OffloadStats:
     stores_failed: int = 0  # chunks of store jobs that failed or were cancelled
     stores_shed: int = 0  # chunks dropped over the in-flight byte budget
     stores_deduplicated: int = 0  # chunks already being stored by another request
+    # Store copy-outs done when a block was handed out again before its store job ran
+    # (normally the job copies while the next step runs; see stores.CopyWatch).
+    copies_on_reuse: int = 0
     loaded_states: int = 0  # Mamba states restored (checkpoints and lagging states)
     stored_states: int = 0  # Mamba states written (each with its checkpoint's chunks)
     partial_tails: int = 0  # of those, finish-time partial tails handed over by the core

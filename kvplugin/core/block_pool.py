@@ -462,6 +462,17 @@ class BlockPool:
                 released.append(block)
         self.free_block_queue.append_n(released)
 
+    def watch_reuse(self, blocks: Iterable[KVCacheBlock],
+                    on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Call ``on_reuse(block)`` when ``get_new_blocks`` next hands a block out (before
+        its new owner can write it) or on reset; refs are untouched. kvplugin's own hook
+        (not in vLLM): a store copies a block out lazily and must copy it before reuse.
+        Like :meth:`unpin_blocks`, one watcher per block: a new one replaces the old."""
+        for block in blocks:
+            if block.is_null:
+                raise ValueError("the null block is never handed out: nothing to watch")
+            self._reuse_watchers[block.block_id] = on_reuse
+
     def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
         for block in blocks:
             watcher = self._reuse_watchers.pop(block.block_id, None)
