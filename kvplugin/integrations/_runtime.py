@@ -13,12 +13,13 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from connectors.base import Connector
 from connectors.faults import FaultInjector
 from kvplugin.aio.keys import KeySpace
-from kvplugin.aio.memory import PageShape
+from kvplugin.aio.memory import GroupShape
 from kvplugin.config import KVPluginConfig, load_config
 from kvplugin.engine.loop import LoopThread
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
@@ -94,7 +95,7 @@ def release(rt: Runtime) -> None:
     rt.close()
 
 
-def keyspace_for(config: KVPluginConfig, shapes: list[PageShape], hash_block_size: int,
+def keyspace_for(config: KVPluginConfig, shapes: Sequence[GroupShape], hash_block_size: int,
                  block_size: int) -> KeySpace:
     """Keys as the native manager derives them for the same model, layout and tenant:
     the config's model name and chunk size (in vLLM's blocks)."""

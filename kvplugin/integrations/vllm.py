@@ -13,16 +13,24 @@ name the keys, so a block stored through vLLM has the key the native manager giv
 the same model, layout and tenant. The tenant is ``kv_transfer_params["tenant"]``, else the
 request's ``cache_salt``, else ``kv_connector_extra_config["default_tenant"]`` ("default").
 
+Layouts: any mix of full-attention, sliding-window and Mamba "align" groups (at least one
+attention group). A hit is claimed only where every group can be restored (the native
+manager's :func:`kvplugin.aio.plans.reconcile`): attention chunks up to it, a window group
+only the window before it, a Mamba group the state stored at exactly that boundary. Stores:
+each group's completed chunks (a window group's blocks vLLM still holds), the Mamba
+boundary states vLLM hands over each step (``kv_connector_block_state``) and the
+finish-time partial tails (``register_finished_partial_tail``).
+
 Scheduler side: a prefix lookup through the tiers, bounded by ``offload.lookup_timeout_ms``
 (a slow or dead tier is a miss, never a stall); loads and stores planned per step into the
 metadata; a finished request that had stores keeps its blocks (``delay_free``) until the
-worker reports its stores done. Worker side: pages move between vLLM's KV tensors
-(``[2, num_blocks, block_size, heads, head_size]`` per layer) and kvplugin's block format
-(one page = ``(2, layers, block_size, heads, head_size)``) on an event loop on its own
-thread; a load that misses or fails verification is reported through
-``get_block_ids_with_load_errors`` so vLLM recomputes those tokens.
-
-Slice 1 serves one full-attention KV-cache group; other layouts are refused at build time.
+worker reports its stores done. Worker side: pages move between vLLM's tensors and
+kvplugin's page format (:mod:`kvplugin.integrations._groups`) on an event loop on its own
+thread. A load that misses or fails verification: with one KV-cache group its blocks are
+reported through ``get_block_ids_with_load_errors``; with several, vLLM 0.33 rejects block
+ids (they are unique per group only), so every load is asynchronous and a failed one is
+reported as a failed receive (``get_transfer_results().failed_recving``). Either way vLLM
+recomputes. Completed stores become ``BlockStored`` KV events (:mod:`._events`).
 
 vLLM and torch are imported lazily: importing this module without them works, building the
 connector raises an ImportError naming the ``vllm`` extra.
@@ -30,21 +38,24 @@ connector raises an ImportError naming the ``vllm`` extra.
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.keys import ObjectKey
-from kvplugin.aio.memory import PageShape
-from kvplugin.integrations import _runtime
-from kvplugin.serde import Block
+from kvplugin.aio import plans
+from kvplugin.aio.reqstate import NO_HOLE
+from kvplugin.integrations import _events, _runtime
+from kvplugin.integrations._groups import GroupIO, check_tensors, group_ios, pages_in
+from kvplugin.integrations._hits import Piece, layout_of, load_pieces, state_pieces, tier_claim
+from kvplugin.integrations._worker import WorkerSide
 
-__all__ = ["KVPluginConnector", "KVPluginConnectorMetadata", "LoadSpec", "SaveSpec",
+__all__ = ["KVPluginConnector", "KVPluginConnectorMetadata", "LoadSpec", "Piece", "SaveSpec",
            "tenant_of_salt"]
 
 logger = logging.getLogger(__name__)
+
 
 def _import_vllm() -> tuple[Any, ImportError | None]:
     # By name, so neither importing this module nor type-checking kvplugin needs vLLM.
@@ -68,30 +79,28 @@ SupportsHMA: Any = type("_AbsentHMA", (), {}) if _base is None else _base.Suppor
 _MISSING_VLLM = ("kvplugin.integrations.vllm needs vLLM 0.33 and torch: install the `vllm` "
                  "extra (pip install 'kvplugin[vllm]')")
 _TENANT_SALT = "tenant="
-_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
-                 "float64": "float64", "int8": "int8", "uint8": "uint8",
-                 "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
 
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Load ``keys`` (one chunk each) into ``block_ids`` (``chunk_blocks`` per key)."""
+    """Load ``pieces`` for tokens ``[first_token, end_token)``. ``per_request``: a failure
+    fails the whole request (several groups), else the blocks from the first bad one."""
 
     req_id: str
-    keys: list[ObjectKey]
-    block_ids: list[int]
+    pieces: list[Piece]
     is_async: bool
     first_token: int
+    end_token: int
+    per_request: bool = False
+    broken: bool = False  # a piece has no block to land in: fails without fetching
 
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Store the chunks in ``block_ids`` under ``keys``, starting at token ``first_token``."""
+    """Store ``pieces`` (chunks first, then the states they make restorable)."""
 
     req_id: str
-    keys: list[ObjectKey]
-    block_ids: list[int]
-    first_token: int
+    pieces: list[Piece]
 
 
 class KVPluginConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -109,31 +118,18 @@ class _ReqState:
 
     request: Any
     tenant: str  # "" when the request's tenant is not a valid name: no offload
-    stored_chunks: int = 0  # chunks already planned for store (or loaded / computed)
+    next_chunk: list[int] = field(default_factory=list)  # per group: next chunk to store
+    known_until: int = 0  # the hit it was admitted with: states up to it are not stored
+    hole: int = NO_HOLE  # first token of a chunk that could not be stored
     had_saves: bool = False
     loading: bool = False  # an async load not yet reported finished
     local_tokens: int = 0  # the device's hit at the last lookup
     async_hit: bool = False  # the last external hit was reported as an async load
-    load: LoadSpec | None = None
+    state_at: int | None = None  # the boundary of the claimed states
+    load_failed: bool = False  # never claim from the tiers again: vLLM recomputes
 
 
-@dataclass(slots=True)
-class _Pending:
-    """Worker-side: an async load in flight."""
-
-    spec: LoadSpec
-    future: concurrent.futures.Future[list[Block | None]]
-
-
-@dataclass(slots=True)
-class _WorkerState:
-    saves: dict[str, list[concurrent.futures.Future[int]]] = field(default_factory=dict)
-    loads: dict[str, _Pending] = field(default_factory=dict)
-    awaiting_send: set[str] = field(default_factory=set)
-    load_errors: set[int] = field(default_factory=set)
-
-
-class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """vLLM's KV connector API over kvplugin's tiers (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -146,38 +142,45 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise ValueError("kv_connector_extra_config needs 'config_file': a kvplugin "
                              "deployment config (YAML / TOML / JSON)")
         self._default_tenant = str(extra.get("default_tenant", "default"))
-        self._async_loads = bool(extra.get("async_loads", False))
         if kv_cache_config is None:
             raise ValueError("KVPluginConnector needs vLLM's kv_cache_config")
         self._kv_cache_config = kv_cache_config
-        groups = kv_cache_config.kv_cache_groups
-        self._shape, self._layers = _full_attention_page(groups)
-        block_size = self._shape.block_size
+        self._groups: list[GroupIO] = group_ios(kv_cache_config.kv_cache_groups)
+        shapes = [g.shape for g in self._groups]
+        block_size = vllm_config.cache_config.block_size
         hbs = getattr(kv_cache_config, "hash_block_size", None) or block_size
+        # Several groups: a failed load can only be reported per request, and only for an
+        # async load (vLLM 0.33 raises on block ids, and failed_recving applies to requests
+        # waiting for remote KVs), so every load is async.
+        self._multi = len(self._groups) > 1
+        self._async_loads = self._multi or bool(extra.get("async_loads", False))
         self._rt = _runtime.acquire(config_file)
         try:
-            self._keys = _runtime.keyspace_for(self._rt.config, [self._shape], hbs, block_size)
+            self._keys = _runtime.keyspace_for(self._rt.config, shapes, hbs, block_size)
+            unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or hbs
+            self._layout = layout_of(shapes, self._keys.groups[0].chunk_blocks, unit)
         except BaseException:
             _runtime.release(self._rt)
             raise
-        self._chunk_blocks = self._keys.groups[0].chunk_blocks
-        self._chunk_tokens = self._keys.groups[0].chunk_tokens
         self._closed = False
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._meta = KVPluginConnectorMetadata()
         self._kvm: Any = None
+        self._events_on = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events",
+                                       False))
+        self._spec_kinds = [_spec_kind(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+        self._event_counts: collections.Counter[Any] = collections.Counter()
+        self._num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         # worker side
-        self._kv: dict[str, Any] = {}
-        self._w = _WorkerState()
+        self._init_worker(_events.medium_of(self._rt.config.offload.tier_kinds()))
 
     # ------------------------------------------------------------------ common
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for futs in self._w.saves.values():
-            concurrent.futures.wait(futs, timeout=self._rt.timeouts.store)
+        self._drain_saves()
         _runtime.release(self._rt)
 
     def _tenant(self, request: Any) -> str:
@@ -198,11 +201,9 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 # A user-supplied salt must not crash the scheduler: no offload for it.
                 logger.warning("request %s: no KV offload: %s", request.request_id, e)
                 tenant = ""
-            st = self._reqs[request.request_id] = _ReqState(request, tenant)
+            st = self._reqs[request.request_id] = _ReqState(
+                request, tenant, [0] * len(self._groups))
         return st
-
-    def _chunk_keys(self, st: _ReqState, first: int, stop: int) -> list[ObjectKey]:
-        return self._keys.chunk_keys(st.tenant, 0, st.request.block_hashes, first, stop)
 
     # --------------------------------------------------------------- scheduler
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -210,31 +211,28 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """External hit tokens beyond the device's ``num_computed_tokens``: the tiers' prefix
-        count, capped so vLLM still computes the last prompt token."""
+        """External hit tokens beyond the device's ``num_computed_tokens``: the deepest
+        point every group can be restored at from the tiers, capped so vLLM still computes
+        the last prompt token."""
         st = self._state(request)
         st.local_tokens = num_computed_tokens
-        if not st.tenant:
+        st.state_at = None
+        if not st.tenant or st.load_failed:
             return 0, False
-        ct = self._chunk_tokens
-        first = num_computed_tokens // ct
-        stop = min(self._keys.groups[0].num_chunks(len(request.block_hashes)),
-                   (request.num_tokens - 1) // ct)
-        if stop <= first or num_computed_tokens % ct:
-            return 0, False
-        keys = self._chunk_keys(st, first, stop)
         timeout = self._rt.timeouts.lookup
         try:
-            found = self._rt.loop.call(self._rt.connector.lookup(keys, timeout=timeout),
-                                       timeout=timeout + 0.05)
+            claim = self._rt.loop.call(tier_claim(
+                self._rt.connector, self._keys, self._layout, st.tenant,
+                request.block_hashes, request.num_tokens, num_computed_tokens, timeout),
+                timeout=timeout + 0.05)
         except Exception as e:  # a tier that cannot answer in time is a miss, never a stall
             logger.warning("kvplugin lookup for %s failed: %r", request.request_id, e)
             return 0, False
-        hit = (first + found) * ct - num_computed_tokens
-        if hit <= 0:
+        if claim.external <= 0 or claim.local != num_computed_tokens:
             return 0, False
         st.async_hit = self._async_loads
-        return hit, self._async_loads
+        st.state_at = claim.state_at
+        return claim.external, self._async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -242,53 +240,115 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # After an async load vLLM calls again (0 external tokens) with the loaded tokens
         # already computed and no new lookup.
         local = max(st.local_tokens, request.num_computed_tokens)
-        ct = self._chunk_tokens
+        end = local + num_external_tokens
         # Device hits were stored by whoever computed them, loaded chunks came from a tier:
         # stores start after both (a resumed request restarts here too).
-        st.stored_chunks = (local + num_external_tokens) // ct
+        for g in self._layout.chunked_groups:
+            st.next_chunk[g] = end // self._layout.chunk_tokens(g)
+        st.known_until, st.hole = end, NO_HOLE
         if num_external_tokens <= 0:
             return
-        first, stop = local // ct, (local + num_external_tokens) // ct
-        ids = blocks.get_block_ids()[0]
-        cb = self._chunk_blocks
-        spec = LoadSpec(request.request_id, self._chunk_keys(st, first, stop),
-                        list(ids[first * cb:stop * cb]), st.async_hit, first * ct)
+        pieces = load_pieces(self._keys, self._layout, st.tenant, request.block_hashes,
+                             blocks.get_block_ids(), local, end, st.state_at)
+        # vLLM allocated every block the plan names (the native core's rules); a null one
+        # would mean it did not, and the load fails (vLLM recomputes) instead of writing
+        # the null block.
+        broken = any(0 in p.block_ids for p in pieces)
+        if broken:
+            logger.warning("kvplugin load for %s: vLLM gave a null block for a planned "
+                           "object; the load fails and vLLM recomputes", request.request_id)
+        spec = LoadSpec(request.request_id, pieces, st.async_hit, local, end, self._multi,
+                        broken)
         st.loading = spec.is_async
-        st.load = spec
         self._meta.loads.append(spec)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPluginConnectorMetadata:
         """This step's loads (planned at allocation), stores (the chunks this step's tokens
-        complete) and delayed frees; resets the plan for the next step."""
+        complete, the Mamba states vLLM hands over) and delayed frees; resets the plan."""
         meta, self._meta = self._meta, KVPluginConnectorMetadata()
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers: dict[str, list[tuple[int, int, int]]] = (
+            dict(block_state.boundary_state_offloads) if block_state is not None else {})
+        gone = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        gone |= set(getattr(scheduler_output, "finished_req_ids", None) or ())
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is not None:
-                self._plan_save(st, st.request.num_computed_tokens + n, meta)
+                self._plan_save(st, st.request.num_computed_tokens + n, meta,
+                                offers.pop(rid, ()), rid not in gone)
+        for rid, rest in offers.items():  # offers of requests not scheduled this step
+            st = self._reqs.get(rid)
+            if st is not None:
+                self._plan_save(st, st.request.num_computed_tokens, meta, rest,
+                                rid not in gone)
         return meta
 
-    def _plan_save(self, st: _ReqState, computed_after: int,
-                   meta: KVPluginConnectorMetadata) -> None:
-        g = self._keys.groups[0]
-        stop = min(computed_after // self._chunk_tokens,
-                   g.num_chunks(len(st.request.block_hashes)))
-        first = st.stored_chunks
-        if stop <= first or self._kvm is None or not st.tenant:
-            return
-        ids = self._kvm.get_block_ids(st.request.request_id)[0]
-        cb = self._chunk_blocks
-        if len(ids) < stop * cb:
-            return  # the blocks are not all there (cannot happen for computed tokens)
-        meta.saves.append(SaveSpec(st.request.request_id, self._chunk_keys(st, first, stop),
-                                   list(ids[first * cb:stop * cb]), first * self._chunk_tokens))
-        st.stored_chunks = stop
-        st.had_saves = True
+    def _plan_save(self, st: _ReqState, computed_after: int, meta: KVPluginConnectorMetadata,
+                   offers: Any = (), alive: bool = True) -> None:
+        if self._kvm is None or not st.tenant or not alive:
+            return  # a preempted request's blocks may be reused already: read none of them
+        req = st.request
+        table = self._kvm.get_block_ids(req.request_id)
+        pieces = self._chunk_pieces(st, table, computed_after)
+        if offers:
+            pieces += self._state_offers(st, [plans.StateOffer(*o) for o in offers], True)
+        if pieces:
+            meta.saves.append(SaveSpec(req.request_id, pieces))
+            st.had_saves = True
+
+    def _chunk_pieces(self, st: _ReqState, table: Any, computed_after: int) -> list[Piece]:
+        req, lay = st.request, self._layout
+        hash_tokens = len(req.block_hashes) * self._keys.hash_block_size
+        cb = lay.chunk_blocks
+        out = []
+        for g in lay.chunked_groups:
+            window = plans.store_window(lay, g, st.next_chunk[g], computed_after, hash_tokens)
+            if not window:
+                continue
+            keys = self._keys.chunk_keys(st.tenant, g, req.block_hashes, window.start,
+                                         window.stop)
+            ct = lay.chunk_tokens(g)
+            for c, key in zip(window, keys, strict=True):
+                ids = list(table[g][c * cb:(c + 1) * cb])
+                if len(ids) < cb or 0 in ids:
+                    # A window group released part of it: no state past it can be restored.
+                    st.hole = min(st.hole, c * ct)
+                    continue
+                out.append(Piece(key, g, ids, c * ct, event=self._chunk_event(st, g, c)))
+            st.next_chunk[g] = window.stop
+        return out
+
+    def _state_offers(self, st: _ReqState, offers: list[plans.StateOffer], alive: bool
+                      ) -> list[Piece]:
+        """The offered states worth storing (the native manager's rules: not of a request
+        that is gone or loading, not a null block, past the admitted hit, on the claim
+        alignment, not past a chunk that could not be stored)."""
+        req = st.request
+        kept, _ = plans.select_states(self._layout, offers, alive=alive and not st.loading,
+                                      known_until=st.known_until, save_end=req.num_tokens,
+                                      hole=st.hole)
+        return state_pieces(self._keys, self._layout, st.tenant, req.block_hashes, kept,
+                            [self._state_event(st, o.group, o.boundary) for o in kept])
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
             st = self._reqs.get(rid)
             if st is not None:
                 st.loading = False
+        for rid in getattr(connector_output, "failed_recving", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.load_failed = True
+        events = getattr(connector_output, "kv_cache_events", None)
+        if events is not None:
+            self._event_counts.update(events.get_all_events())
+
+    def take_events(self) -> list[Any]:
+        """``BlockStored`` of the objects every worker has stored (see :mod:`._events`)."""
+        done = [e for e, n in self._event_counts.items() if n >= self._num_workers]
+        for e in done:
+            del self._event_counts[e]
+        return done
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -299,6 +359,23 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
 
+    def register_finished_partial_tail(self, request: Any, block_ids: tuple[list[int], ...],
+                                       partial_tail_offloads: list[tuple[int, int, int]]
+                                       ) -> bool:
+        """Store the Mamba state the request's own block holds at its last prompt boundary
+        (no token was forwarded past it). The blocks stay until the store is done: the
+        request's ``request_finished`` delays the free."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.tenant or st.loading:
+            return False
+        pieces = self._state_offers(st, [plans.StateOffer(*t) for t in partial_tail_offloads],
+                                    True)
+        if not pieces:
+            return False
+        self._meta.saves.append(SaveSpec(request.request_id, pieces))
+        st.had_saves = True
+        return True
+
     def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while the request's stores run. Never while its async load is
         in flight: vLLM frees those itself when the load reports, and would free twice."""
@@ -308,136 +385,53 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._meta.delayed_frees.append(request.request_id)
         return True, None
 
+    # ------------------------------------------------------------------ events
+    def _chunk_event(self, st: _ReqState, group: int, chunk: int) -> _events.StoredObject | None:
+        if not self._events_on:
+            return None
+        g = self._keys.groups[group]
+        hashes = st.request.block_hashes
+        first = chunk * g.chunk_blocks
+        idx = [(b + 1) * g.hash_stride - 1 for b in range(first, first + g.chunk_blocks)]
+        parent = hashes[first * g.hash_stride - 1] if first else None
+        ct = g.chunk_tokens
+        tokens = st.request.all_token_ids[chunk * ct:(chunk + 1) * ct]
+        return self._stored(group, tuple(hashes[i] for i in idx), parent, tokens,
+                            g.block_size)
+
+    def _state_event(self, st: _ReqState, group: int, boundary: int
+                     ) -> _events.StoredObject | None:
+        if not self._events_on:
+            return None
+        hbs = self._keys.hash_block_size
+        n = boundary // hbs
+        hashes = st.request.block_hashes
+        tokens = st.request.all_token_ids[boundary - hbs:boundary]
+        return self._stored(group, (hashes[n - 1],), hashes[n - 2] if n > 1 else None, tokens,
+                            hbs)
+
+    def _stored(self, group: int, hashes: tuple[bytes, ...], parent: bytes | None,
+                tokens: Any, block_size: int) -> _events.StoredObject:
+        kind, window = self._spec_kinds[group]
+        return _events.StoredObject(group, hashes, parent, tuple(tokens), block_size, kind,
+                                    window)
+
     # ------------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        missing = [name for name in self._layers if name not in kv_caches]
-        if missing:
-            raise ValueError(f"no KV tensor for layers {missing}")
-        for name in self._layers:
-            t = kv_caches[name]
-            s = self._shape
-            if (t.dim() != 5 or t.shape[0] != 2 or tuple(t.shape[2:]) !=
-                    (s.block_size, s.num_kv_heads, s.head_size)):
-                raise ValueError(f"layer {name}: KV tensor shape {tuple(t.shape)} is not "
-                                 f"[2, blocks, {s.block_size}, {s.num_kv_heads}, "
-                                 f"{s.head_size}]")
-        self._kv = {name: kv_caches[name] for name in self._layers}
+        self._kv = check_tensors(self._groups, kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Start this step's loads; synchronous ones are in the tensors on return (the
-        model reads them in this forward), async ones report through get_finished."""
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPluginConnectorMetadata)
-        timeout = self._rt.timeouts.load
-        for spec in meta.loads:
-            fut = self._rt.loop.submit(self._rt.connector.get(spec.keys, timeout=timeout))
-            if spec.is_async:
-                self._w.loads[spec.req_id] = _Pending(spec, fut)
-            else:
-                self._finish_load(spec, fut)
-        for rid in meta.delayed_frees:
-            self._w.awaiting_send.add(rid)
+    def _copy_in(self, piece: Piece, payload: Any) -> None:
+        pages_in(self._groups[piece.group], self._kv, piece.block_ids, payload, piece.skip)
 
-    def _finish_load(self, spec: LoadSpec,
-                     fut: concurrent.futures.Future[list[Block | None]]) -> None:
-        try:
-            blocks: list[Block | None] = fut.result(self._rt.timeouts.load + 1.0)
-        except Exception as e:
-            logger.warning("kvplugin load for %s failed: %r", spec.req_id, e)
-            blocks = [None] * len(spec.keys)
-        cb = self._chunk_blocks
-        for i, block in enumerate(blocks):
-            ids = spec.block_ids[i * cb:(i + 1) * cb]
-            if block is None:
-                # vLLM recomputes from the first bad block: report every block from here.
-                self._w.load_errors.update(spec.block_ids[i * cb:])
-                return
-            self._copy_in(ids, block)
 
-    def _copy_in(self, block_ids: list[int], block: Block) -> None:
-        torch = importlib.import_module("torch")
-
-        dtype = getattr(torch, self._shape.dtype)
-        raw = torch.frombuffer(bytearray(block.payload), dtype=torch.uint8)
-        pages = raw.view(dtype).reshape(len(block_ids), *self._shape.dims)
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for li, name in enumerate(self._layers):
-            t = self._kv[name]
-            t[:, index] = pages[:, :, li].transpose(0, 1).to(t.device)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # synchronous loads completed in start_load_kv
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        return None  # pages are copied once per step, in wait_for_save
-
-    def wait_for_save(self) -> None:
-        """Copy this step's completed chunks out of the KV tensors (the device may reuse the
-        blocks at once) and hand them to the tiers; the puts finish in the background."""
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPluginConnectorMetadata)
-        for spec in meta.saves:
-            items = self._pages_out(spec)
-            fut = self._rt.loop.submit(
-                self._rt.connector.put(items, timeout=self._rt.timeouts.store))
-            self._w.saves.setdefault(spec.req_id, []).append(fut)
-
-    def _pages_out(self, spec: SaveSpec) -> list[tuple[ObjectKey, Block]]:
-        torch = importlib.import_module("torch")
-
-        index = torch.tensor(spec.block_ids, dtype=torch.long)
-        # (blocks, 2, layers, block_size, heads, head_size): one page per block.
-        pages = torch.stack([self._kv[n][:, index].cpu() for n in self._layers], dim=2)
-        pages = pages.transpose(0, 1).contiguous()
-        cb, ct = self._chunk_blocks, self._chunk_tokens
-        out = []
-        for i, key in enumerate(spec.keys):
-            chunk = pages[i * cb:(i + 1) * cb].contiguous()
-            payload = chunk.view(torch.uint8).numpy().tobytes()
-            start = spec.first_token + i * ct
-            meta = key.meta(token_start=start, token_end=start + ct, dtype=self._shape.dtype,
-                            shape=(cb, *self._shape.dims))
-            out.append((key, Block(meta, payload)))
-        return out
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                set[str] | None]:
-        """(finished_sending, finished_recving): delayed frees whose stores are done, async
-        loads that completed (copied into the tensors here, errors recorded)."""
-        sending = set()
-        for rid in list(self._w.awaiting_send):
-            futs = self._w.saves.get(rid, [])
-            if all(f.done() for f in futs):
-                self._log_save_errors(rid, futs)
-                self._w.saves.pop(rid, None)
-                self._w.awaiting_send.discard(rid)
-                sending.add(rid)
-        recving = set()
-        for rid, pending in list(self._w.loads.items()):
-            if pending.future.done():
-                del self._w.loads[rid]
-                self._finish_load(pending.spec, pending.future)
-                recving.add(rid)
-        # Saves of requests that finished without a delayed free: drop the done ones.
-        for rid in list(self._w.saves):
-            if rid not in self._w.awaiting_send:
-                left = [f for f in self._w.saves[rid] if not f.done()]
-                if left:
-                    self._w.saves[rid] = left
-                else:
-                    del self._w.saves[rid]
-        return sending or None, recving or None
-
-    @staticmethod
-    def _log_save_errors(rid: str, futs: list[concurrent.futures.Future[int]]) -> None:
-        for f in futs:
-            if not f.cancelled() and f.exception() is not None:
-                logger.warning("kvplugin store for %s failed: %r", rid, f.exception())
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._w.load_errors = self._w.load_errors, set()
-        return errors
+def _spec_kind(spec: Any) -> tuple[str | None, int | None]:
+    """vLLM's kind name and sliding window of a group's spec, for its KV events."""
+    try:
+        iface = importlib.import_module("vllm.v1.kv_cache_interface")
+        kind = iface.get_kv_cache_spec_kind(spec).value
+    except (ImportError, AttributeError, ValueError):
+        kind = None
+    return kind, getattr(spec, "sliding_window", None)
 
 
 def tenant_of_salt(cache_salt: str) -> str:
@@ -448,20 +442,3 @@ def tenant_of_salt(cache_salt: str) -> str:
     if cache_salt.startswith(_TENANT_SALT):
         return cache_salt[len(_TENANT_SALT):].split(";salt=", 1)[0]
     return cache_salt
-
-
-def _full_attention_page(groups: Any) -> tuple[PageShape, list[str]]:
-    """The page of the single full-attention group (other layouts: not in this slice)."""
-    full_attention = importlib.import_module("vllm.v1.kv_cache_interface").FullAttentionSpec
-
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not full_attention:
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ValueError(f"KVPluginConnector serves one full-attention KV-cache group; got "
-                         f"{kinds} (hybrid layouts are not supported yet)")
-    spec = groups[0].kv_cache_spec
-    dtype = str(spec.dtype).removeprefix("torch.")
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"KV dtype {spec.dtype} is not supported")
-    layers = list(groups[0].layer_names)
-    shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size, dtype, spec.block_size)
-    return shape, layers

@@ -20,7 +20,9 @@ from connectors.faults import LocalRedisServer
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 DEFAULT_PY = Path.home() / ".cache" / "kvplugin-vllm-reference" / "bin" / "python"
-ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multiturn"]
+ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multiturn", "events",
+       "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
+       "mamba_tail", "native_mamba", "mamba_preempt"]
 
 
 def _side_python() -> str:
@@ -154,6 +156,128 @@ def test_vllm_and_native_manager_share_keys_both_ways(results: dict[str, Any]) -
     assert rec["vllm_loads"] == [{"req": "c", "first_token": 0, "blocks": 6, "async": False,
                                   "verified": 6, "mismatched": 0, "invalid": 0}]
     assert rec["vllm_free_blocks"] == rec["num_blocks"] - 1
+
+
+# ---------------------------------------------------------------- hybrid layouts
+def _hybrid_load(rec: dict[str, Any], groups: dict[str, int]) -> None:
+    """b's one load: async (several groups), every block and state of every group verified
+    equal to what a computed."""
+    n = sum(groups.values())
+    assert rec["loads"] == [{"req": "b", "first_token": 0, "blocks": n, "async": True,
+                             "verified": n, "mismatched": 0, "invalid": 0, "pieces": n,
+                             "failed": False, "groups": groups}]
+    assert rec["invalid_blocks"] == 0 and rec["failed_loads"] == []
+
+
+def test_sliding_window_loads_only_the_window_before_the_hit(results: dict[str, Any]) -> None:
+    rec = results["swa"]
+    _check_invariants(rec, EVICTING)
+    # The 80-token hit: 5 full-attention blocks, and of the 32-token window group only the
+    # blocks of the window before token 80 (48..80: 2 blocks); vLLM left the others null.
+    _hybrid_load(rec, {"0": 5, "1": 2})
+    # Both groups stored every chunk while vLLM still held its blocks (the window group's
+    # blocks are freed behind the window, after their store was planned).
+    assert rec["saved_pieces"] == {"0": 30, "1": 30}
+
+
+@pytest.mark.parametrize("name", ["swa_corrupt", "mamba_corrupt"])
+def test_hybrid_load_failure_is_a_failed_receive_and_vllm_recomputes(
+        results: dict[str, Any], name: str) -> None:
+    rec = results[name]
+    _check_invariants(rec, EVICTING)
+    # With several groups vLLM 0.33 raises on block-level errors: the damaged object fails
+    # the whole (async) load as a failed receive, nothing is copied, no block id reported.
+    assert rec["invalid_blocks"] == 0
+    assert rec["failed_loads"] == ["b"]
+    [load] = rec["loads"]
+    assert load["req"] == "b" and load["failed"] is True and load["async"] is True
+    assert load["verified"] == 0 == load["mismatched"]
+    # vLLM recomputed b from scratch (no second claim from the tiers) and stored it again,
+    # the damaged chunk included.
+    assert rec["saved_chunks"] > (30 if name == "swa_corrupt" else 35)
+    assert rec["state_mismatches"] == 0
+
+
+def test_mamba_hit_loads_chunks_and_the_boundary_state(results: dict[str, Any]) -> None:
+    rec = results["mamba"]
+    _check_invariants(rec, EVICTING)
+    # b shares a's 144 prompt tokens; the prompt's last reusable boundary is 128, where a
+    # boundary state was stored: 8 attention chunks and the one Mamba state at 128.
+    _hybrid_load(rec, {"0": 8, "1": 1})
+    # Every state b resumed from (the loaded one included) equals recomputation.
+    assert rec["states_checked"] > 0 and rec["state_mismatches"] == 0
+    assert rec["saved_pieces"]["1"] >= 6  # a: 64, 128; each filler: 64 and 96
+
+
+def test_mamba_multiturn_reloads_history_with_its_state(results: dict[str, Any]) -> None:
+    rec = results["mamba_multiturn"]
+    _check_invariants(rec, sorted(f"c{c}t{t}" for c in range(4) for t in range(3)))
+    loads = rec["loads"]
+    assert loads and all(ld["req"][-2:] in ("t1", "t2") for ld in loads)
+    for ld in loads:
+        # Each load restores both groups: attention chunks and exactly one state.
+        assert ld["groups"]["1"] == 1 and ld["groups"]["0"] >= 1
+        assert ld["verified"] == ld["blocks"] and ld["mismatched"] == 0 == ld["invalid"]
+        assert ld["async"] is True and ld["failed"] is False
+    assert rec["state_mismatches"] == 0 and rec["states_checked"] > 0
+
+
+def test_mamba_partial_tail_is_stored_and_resumed_from(results: dict[str, Any]) -> None:
+    rec = results["mamba_tail"]
+    # t was aborted at 96 tokens (inside its 64..128 Mamba block): vLLM handed over the
+    # running state block at 96 as a partial tail; the connector took it and kept the
+    # blocks until its store was done (all blocks free afterwards).
+    assert rec["tail_calls"] == [{"req": "t", "boundaries": [96], "kept": True}]
+    first = rec["first"]
+    assert first["finished"] == ["t"] and first["free_blocks"] == first["num_blocks"] - 1
+    assert first["saved_pieces"] == {"0": 6, "1": 2}  # 6 chunks; states at 64 and 96
+    # A fresh engine: u resumes at 96 from the tier: 6 chunks and the tail state.
+    second = rec["second"]
+    assert second["loads"] == [{"req": "u", "first_token": 0, "blocks": 7, "async": True,
+                                "verified": 7, "mismatched": 0, "invalid": 0, "pieces": 7,
+                                "failed": False, "groups": {"0": 6, "1": 1}}]
+    assert second["state_mismatches"] == 0 and second["finished"] == ["u"]
+    assert second["free_blocks"] == second["num_blocks"] - 1
+
+
+def test_mamba_preemption_keeps_vllms_invariants(results: dict[str, Any]) -> None:
+    rec = results["mamba_preempt"]
+    # A 10-block pool: p1 is preempted (its blocks, Mamba ones included, freed while
+    # offers may be pending: none of them is read); both finish, every block comes back,
+    # every state a step resumed from equals recomputation.
+    _check_invariants(rec, ["p0", "p1"])
+    assert rec["preempted"] == ["p1"]
+    assert rec["states_checked"] > 0 and rec["state_mismatches"] == 0
+    for ld in rec["loads"]:
+        assert ld["verified"] == ld["blocks"] and ld["mismatched"] == 0 == ld["invalid"]
+
+
+@pytest.mark.parametrize("name", ["native_swa", "native_mamba"])
+def test_hybrid_blocks_stored_through_vllm_are_native_hits(results: dict[str, Any],
+                                                          name: str) -> None:
+    rec = results[name]
+    # Same model, layout and tenant: the native manager finds what vLLM stored for every
+    # group and loads it, every group's bytes (the window's blocks, the state) equal.
+    hit = 80 if name == "native_swa" else 128
+    assert rec["native_load"] == {"external_tokens": hit, "loaded_tokens": hit, "equal": True}
+    assert rec["other_tenant_load"] == {"external_tokens": 0, "loaded_tokens": 0,
+                                        "equal": False}
+
+
+# ---------------------------------------------------------------- KV events
+def test_tier_stores_reach_vllms_kv_event_publisher(results: dict[str, Any]) -> None:
+    ev = results["events"]["events"]
+    # Every stored chunk became one BlockStored (medium STORAGE: the disk tier) that vLLM's
+    # scheduler published with its own GPU events; each names blocks vLLM computed.
+    assert ev["tier_stored"] == results["events"]["saved_chunks"] == 30
+    assert ev["media"] == ["STORAGE"] and ev["ownership"] == ["kvplugin"]
+    assert ev["groups"] == {"0": 30} and ev["kinds"] == ["full_attention"]
+    assert ev["tier_hashes_on_gpu"] and ev["tier_tokens_ok"]
+    assert ev["distinct_hashes"] == 30 and ev["gpu_stored"] > 0
+    # Hybrid: chunks and states, each tagged with its group and kind.
+    mev = results["mamba"]["events"]
+    assert mev["groups"] == results["mamba"]["saved_pieces"]
+    assert mev["kinds"] == ["full_attention", "mamba"] and mev["tier_hashes_on_gpu"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,

@@ -6,227 +6,42 @@ Run under the side virtualenv's python (vLLM + CPU torch), with this checkout on
 
 Prints one JSON object per scenario (one line each); test_vllm_connector.py asserts on them.
 The Scheduler, its KVCacheManager and the connector factory are vLLM's; this script plays
-EngineCore and the model runner: per step ``schedule()`` -> worker connector (loads into CPU
-torch tensors standing in for the GPU KV cache, a fake forward writing each token's KV,
-saves) -> ``update_from_output()``. A token's fake KV depends only on (token id, position),
-so a block loaded for a prefix must equal what any request computed for it.
+EngineCore and the model runner (:mod:`vllm_fake`): per step ``schedule()`` -> worker
+connector (loads into CPU torch tensors standing in for the GPU KV cache, a fake forward
+writing each token's KV and the Mamba states, saves) -> ``update_from_output()``.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import sys
 import tempfile
 import time
-import zlib
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(),
-                                                      "kvplugin_vllm_cache"))
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-
 import torch
-import yaml
-
-BS = 16  # tokens per block
-HEADS, HEAD = 2, 4
-LAYERS = ["layer0", "layer1"]
-MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float16",
-         "bos_token_id": 1, "eos_token_id": 2}
-
-
-def write_config(workdir: str, *, disk: bool, remote_url: str | None,
-                 faults: dict[str, Any] | None = None) -> str:
-    cfg = {
-        # The native manager hashes as this vLLM does: sha256, NONE_HASH from PYTHONHASHSEED
-        # when set (vLLM's rule), else the shared default seed.
-        "layout": {"block_size": BS, "num_blocks": 64, "groups": [{"kind": "full"}],
-                   "hash_fn": "sha256", "none_hash_seed": os.environ.get("PYTHONHASHSEED")},
-        "model": {"name": "kvplugin/vllm-test", "num_layers": len(LAYERS),
-                  "num_kv_heads": HEADS, "head_size": HEAD, "dtype": "float32"},
-        "offload": {"chunk_size": BS, "local_cpu": False,
-                    "local_disk": os.path.join(workdir, "disk") if disk else None,
-                    "remote_url": remote_url, "lookup_timeout_ms": 500,
-                    "load_timeout_ms": 3000, "store_timeout_ms": 5000},
-    }
-    if faults:
-        cfg["faults"] = faults
-    path = os.path.join(workdir, "kvplugin.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    return path
+from vllm_fake import (
+    BS,
+    HEAD,
+    HEADS,
+    LAYERS,
+    MAMBA_BS,
+    Runner,
+    build,
+    expected_pages,
+    sampled,
+    state_value,
+    write_config,
+)
 
 
-def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool) -> Any:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import (
-        get_request_block_hasher,
-        init_none_hash,
-        resolve_cache_hit_alignment_tokens,
-        resolve_kv_cache_block_sizes,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    model_dir = os.path.join(workdir, "tiny_llama")
-    os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(MODEL, f)
-    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16",
-                               seed=42, max_model_len=1024)
-    cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto",
-                        enable_prefix_caching=True)
-    cache.kv_cache_layout = "NHD"
-    vllm_config = VllmConfig(
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
-            enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=False),
-        model_config=model_config, cache_config=cache, device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVPluginConnector",
-            kv_connector_module_path="kvplugin.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"config_file": config_file,
-                                       "async_loads": async_loads},
-            kv_load_failure_policy="recompute"))
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
-                             dtype=torch.float32)
-    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kvc, vllm_config)
-    kvc.hash_block_size = hash_bs
-    kvc.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kvc, vllm_config, sched_bs, hash_bs)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kvc,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(hash_bs, hash_fn, vllm_config.num_hash_lookahead_tokens)
-    return scheduler, hasher, vllm_config, kvc
-
-
-def kv_value(token: int, pos: int) -> torch.Tensor:
-    """The fake KV of one token: (K/V, layer, head, dim), from (token, position) only."""
-    base = float(token * 4096 + pos)
-    idx = torch.arange(2 * len(LAYERS) * HEADS * HEAD, dtype=torch.float32)
-    return (base + idx / 64).reshape(2, len(LAYERS), HEADS, HEAD)
-
-
-class Runner:
-    """EngineCore + model runner + the connector's worker side."""
-
-    def __init__(self, scheduler: Any, worker: Any, num_blocks: int) -> None:
-        self.s = scheduler
-        self.w = worker
-        self.kv = {n: torch.zeros(2, num_blocks, BS, HEADS, HEAD) for n in LAYERS}
-        worker.register_kv_caches(self.kv)
-        self.loads: list[dict[str, Any]] = []  # every load, with its verification
-        self.pending: dict[str, Any] = {}  # async loads in flight: req_id -> spec
-        self.invalid_total: set[int] = set()
-        self.preempted: set[str] = set()
-        self.saved_chunks = 0
-        self.steps = 0
-        self.before_load: Any = None  # hook(spec): the test corrupts objects here
-        self.hasher: Any = None
-
-    def block(self, bid: int) -> torch.Tensor:
-        """(slot, K/V, layer, head, dim) of one block."""
-        return torch.stack([self.kv[n][:, bid] for n in LAYERS], dim=1).permute(2, 0, 1, 3, 4)
-
-    def verify(self, spec: Any, invalid: set[int]) -> None:
-        req = self.s.requests.get(spec.req_id)
-        tokens = list(req.all_token_ids) if req is not None else None
-        good = bad = 0
-        for j, bid in enumerate(spec.block_ids):
-            if bid in invalid or tokens is None:
-                continue
-            start = spec.first_token + j * BS
-            want = torch.stack([kv_value(tokens[p], p) for p in range(start, start + BS)])
-            if torch.equal(self.block(bid), want):
-                good += 1
-            else:
-                bad += 1
-        self.loads.append({"req": spec.req_id, "first_token": spec.first_token,
-                           "blocks": len(spec.block_ids), "async": spec.is_async,
-                           "verified": good, "mismatched": bad,
-                           "invalid": len([b for b in spec.block_ids if b in invalid])})
-
-    def step(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-        self.steps += 1
-        meta = so.kv_connector_metadata
-        self.preempted |= set(so.preempted_req_ids or ())
-        self.w.bind_connector_metadata(meta)
-        for spec in meta.loads:
-            if self.before_load is not None:
-                self.before_load(spec)
-            for n in LAYERS:  # device memory holds garbage until the load lands
-                self.kv[n][:, spec.block_ids] = -1.0
-        self.w.start_load_kv(None)
-        sync_invalid = set()
-        for spec in meta.loads:
-            if spec.is_async:
-                self.pending[spec.req_id] = spec
-        # The fake forward: KV for every scheduled token (schedule() already advanced
-        # num_computed_tokens past them).
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.s.requests[rid]
-            ids = self.s.kv_cache_manager.get_block_ids(rid)[0]
-            toks = req.all_token_ids
-            for p in range(req.num_computed_tokens - n, req.num_computed_tokens):
-                val = kv_value(toks[p], p)
-                for li, name in enumerate(LAYERS):
-                    self.kv[name][:, ids[p // BS], p % BS] = val[:, li]
-        self.saved_chunks += sum(len(s.keys) for s in meta.saves)
-        self.w.wait_for_save()
-        sending, recving = self.w.get_finished(set(so.finished_req_ids))
-        invalid = self.w.get_block_ids_with_load_errors()
-        sync_invalid |= invalid
-        self.invalid_total |= invalid
-        for spec in meta.loads:
-            if not spec.is_async:
-                self.verify(spec, sync_invalid)
-        for rid in recving or ():
-            self.verify(self.pending.pop(rid), invalid)
-        self.w.clear_connector_metadata()
-        req_ids = list(so.num_scheduled_tokens)
-        out: list[list[int]] = []
-        for rid in req_ids:
-            req = self.s.requests.get(rid)
-            done = req is not None and req.num_computed_tokens >= req.num_tokens
-            out.append(sampled(rid, req.num_tokens, 1) if done else [])
-        return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=out, logprobs=None, prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving,
-                invalid_block_ids=invalid))
-
-
-def drive(scheduler: Any, runner: Any, hasher: Any, workload: list[dict[str, Any]],
+def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
           max_steps: int = 2000) -> dict[str, Any]:
+    """Run ``workload`` to the end. An item with ``abort_at`` is aborted (as a client
+    would) right after the step that computed exactly that many tokens."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     arrivals: dict[int, list[dict[str, Any]]] = {}
     for w in workload:
@@ -240,7 +55,8 @@ def drive(scheduler: Any, runner: Any, hasher: Any, workload: list[dict[str, Any
             sp = SamplingParams(max_tokens=w["max_tokens"], ignore_eos=True)
             scheduler.add_request(Request(request_id=w["id"], prompt_token_ids=w["prompt"],
                                           sampling_params=sp, pooling_params=None,
-                                          block_hasher=hasher, cache_salt=w.get("salt")))
+                                          block_hasher=runner.hasher,
+                                          cache_salt=w.get("salt")))
         if step > last_arrival and not scheduler.has_requests() and not runner.pending \
                 and bp.get_num_free_blocks() == bp.num_gpu_blocks - 1:
             break
@@ -250,21 +66,32 @@ def drive(scheduler: Any, runner: Any, hasher: Any, workload: list[dict[str, Any
         out = scheduler.update_from_output(so, runner.step(so))
         for outs in out.values():
             finished += [o.request_id for o in outs.outputs if o.finish_reason is not None]
-    return {"finished": sorted(finished), "steps": step, "loads": runner.loads,
+        for w in workload:
+            req = scheduler.requests.get(w["id"])
+            if (req is not None and "abort_at" in w and not req.num_in_flight_tokens
+                    and req.num_computed_tokens == w["abort_at"]):
+                scheduler.finish_requests(w["id"], RequestStatus.FINISHED_ABORTED)
+                finished.append(w["id"])
+    return {"finished": sorted(set(finished)), "steps": step,
+            "loads": [ld.as_dict() for ld in runner.loads],
             "free_blocks": bp.get_num_free_blocks(), "num_blocks": bp.num_gpu_blocks,
-            "invalid_blocks": len(runner.invalid_total), "preempted": sorted(runner.preempted),
-            "saved_chunks": runner.saved_chunks}
+            "invalid_blocks": len(runner.invalid_total),
+            "failed_loads": sorted(runner.failed_total), "preempted": sorted(runner.preempted),
+            "saved_chunks": runner.saved_chunks,
+            "saved_pieces": {str(g): n for g, n in sorted(runner.saved_pieces.items())},
+            "states_checked": runner.states_checked,
+            "state_mismatches": runner.state_mismatches}
 
 
 def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 131) % 900 + 100 for i in range(n)]
 
 
-def evicting_workload(bad_salt: bool = False) -> list[dict[str, Any]]:
-    """``a`` stores a 5-block prefix; fillers push it out of the device pool; ``b`` shares
-    that prefix (plus a new tail) and must load it from the tiers. ``bad_salt``: plus ``x``,
-    whose cache_salt is no valid tenant name (served without offload)."""
-    shared = prompt(1, 80)
+def evicting_workload(bad_salt: bool = False, shared_len: int = 80) -> list[dict[str, Any]]:
+    """``a`` stores a ``shared_len``-token prefix; fillers push it out of the device pool;
+    ``b`` shares that prefix (plus a new tail) and must load it from the tiers. ``bad_salt``:
+    plus ``x``, whose cache_salt is no valid tenant name (served without offload)."""
+    shared = prompt(1, shared_len)
     wl = [{"id": "a", "prompt": shared, "arrival": 0, "max_tokens": 2}]
     wl += [{"id": f"f{i}", "prompt": prompt(10 + i, 100), "arrival": 8 + 3 * i,
             "max_tokens": 2} for i in range(4)]
@@ -273,12 +100,6 @@ def evicting_workload(bad_salt: bool = False) -> list[dict[str, Any]]:
         wl.append({"id": "x", "prompt": prompt(77, 40), "arrival": 1, "max_tokens": 2,
                    "salt": "not a tenant!"})
     return wl
-
-
-def sampled(rid: str, prompt_len: int, max_tokens: int) -> list[int]:
-    """The tokens Runner.step samples for a request (a function of id and length)."""
-    return [zlib.crc32(f"{rid}:{prompt_len + i}".encode()) % 900 + 10
-            for i in range(max_tokens)]
 
 
 def multiturn_workload(conversations: int = 4, turns: int = 3) -> list[dict[str, Any]]:
@@ -296,85 +117,183 @@ def multiturn_workload(conversations: int = 4, turns: int = 3) -> list[dict[str,
     return wl
 
 
+# ------------------------------------------------------------------------------ scenarios
+# name -> (layout, tier, workload, async loads, pool blocks)
+SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
+    "disk": ("full", "disk", "evict_bad_salt", False, 24),
+    "redis": ("full", "redis", "evict", False, 24),
+    "corrupt": ("full", "disk", "evict", False, 24),
+    "async": ("full", "disk", "evict", True, 24),
+    "preempt": ("full", "disk", "preempt", False, 12),
+    "dead": ("full", "dead", "evict", False, 24),
+    "multiturn": ("full", "disk", "multiturn", False, 12),
+    "events": ("full", "disk", "evict", False, 24),
+    "swa": ("swa", "disk", "evict", False, 24),
+    "swa_corrupt": ("swa", "disk", "evict", False, 24),
+    "mamba": ("mamba", "disk", "evict_mamba", False, 28),
+    "mamba_corrupt": ("mamba", "disk", "evict_mamba", False, 28),
+    "mamba_multiturn": ("mamba", "disk", "multiturn", False, 20),
+    "mamba_preempt": ("mamba", "disk", "preempt", False, 10),
+}
+
+
+def workload_of(name: str) -> list[dict[str, Any]]:
+    if name == "multiturn":
+        return multiturn_workload()
+    if name == "preempt":
+        return [{"id": f"p{i}", "prompt": prompt(50 + i, 64), "arrival": 0, "max_tokens": 60}
+                for i in range(2)]
+    # Mamba: a 144-token prefix holds the states at 64 and 128 (block boundaries) and at
+    # 144 (inside a Mamba block: where b resumes).
+    return evicting_workload(bad_salt=name == "evict_bad_salt",
+                             shared_len=144 if name == "evict_mamba" else 80)
+
+
+class Capture:
+    """vLLM's KV event publisher, replaced: keeps every published batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, events: Any) -> None:
+        self.batches.append(events)
+
+    def shutdown(self) -> None:
+        return None
+
+
 def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
-    if name == "native":
-        return native_scenario(workdir)
-    disk = name != "redis"
+    if name in ("native", "native_swa", "native_mamba"):
+        return native_scenario(workdir, name)
+    if name == "mamba_tail":
+        return tail_scenario(workdir)
+    layout, tier, wl_name, async_loads, num_blocks = SCENARIOS[name]
     scen_dir = os.path.join(workdir, name)
     os.makedirs(scen_dir)
     # "dead": every tier call fails (a dead backend): lookups miss, stores fail.
-    faults = {"rate": 1.0, "kinds": ["error"]} if name == "dead" else None
-    config_file = write_config(scen_dir, disk=disk,
-                               remote_url=redis_url if name == "redis" else None,
-                               faults=faults)
-    num_blocks = 12 if name in ("preempt", "multiturn") else 24
-    scheduler, runner = engine(workdir, config_file, num_blocks, async_loads=name == "async")
+    faults = {"rate": 1.0, "kinds": ["error"]} if tier == "dead" else None
+    config_file = write_config(scen_dir, disk=tier != "redis",
+                               remote_url=redis_url if tier == "redis" else None,
+                               faults=faults, layout=layout)
+    events = name in ("events", "mamba")
+    scheduler, runner = engine(workdir, config_file, num_blocks, async_loads, layout,
+                               events=events)
+    capture = Capture()
+    if events:  # vLLM's publisher, replaced: the events still come through its scheduler
+        scheduler.kv_event_publisher = capture
     conn, worker = scheduler.get_kv_connector(), runner.w
-    if name == "corrupt":
+    if name.endswith("corrupt"):
         def corrupt(spec: Any) -> None:
-            # Damage the third stored chunk of b's prefix after the lookup found it.
+            # Damage the third object of b's load after the lookup found it.
             if spec.req_id == "b":
                 rt = worker._rt
-                rt.loop.call(rt.connector.write_raw(spec.keys[2], b"garbage" * 20,
+                rt.loop.call(rt.connector.write_raw(spec.pieces[2].key, b"garbage" * 20,
                                                     timeout=5))
         runner.before_load = corrupt
-    if name == "multiturn":
-        wl = multiturn_workload()
-    elif name == "preempt":
-        wl = [{"id": f"p{i}", "prompt": prompt(50 + i, 64), "arrival": 0, "max_tokens": 60}
-              for i in range(2)]
-    else:
-        wl = evicting_workload(bad_salt=name == "disk")
     try:
-        result = drive(scheduler, runner, runner.hasher, wl)
+        result = drive(scheduler, runner, workload_of(wl_name))
     finally:
         worker.shutdown()
         conn.shutdown()
     result["scenario"] = name
     result["connector"] = type(conn).__name__
+    if events:
+        result["events"] = event_summary(capture.batches)
     return result
 
 
-def engine(workdir: str, config_file: str, num_blocks: int, async_loads: bool = False
-           ) -> tuple[Any, Runner]:
+def event_summary(batches: list[Any]) -> dict[str, Any]:
+    """What vLLM published: its own GPU BlockStored, and the connector's (tier medium)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    tier = [e for e in stored if e.medium != "GPU"]
+    gpu = {h for e in stored if e.medium == "GPU" for h in e.block_hashes}
+    groups: dict[str, int] = {}
+    for e in tier:
+        groups[str(e.group_idx)] = groups.get(str(e.group_idx), 0) + 1
+    return {"gpu_stored": sum(1 for e in stored if e.medium == "GPU"),
+            "tier_stored": len(tier), "media": sorted({e.medium for e in tier}),
+            "groups": groups, "kinds": sorted({str(e.kv_cache_spec_kind) for e in tier}),
+            # Every stored object is a block vLLM computed (and announced) on the GPU.
+            "tier_hashes_on_gpu": all(h in gpu for e in tier for h in e.block_hashes),
+            "ownership": sorted({str(e.ownership) for e in tier}),
+            "tier_blocks": sum(len(e.block_hashes) for e in tier),
+            "tier_tokens_ok": all(len(e.token_ids) == e.block_size for e in tier),
+            "distinct_hashes": len({h for e in tier for h in e.block_hashes})}
+
+
+def engine(workdir: str, config_file: str, num_blocks: int, async_loads: bool = False,
+           layout: str = "full", events: bool = False) -> tuple[Any, Runner]:
     """vLLM's Scheduler (its connector built by vLLM's factory) and a runner with the
     connector's worker side."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvplugin.integrations.vllm import KVPluginConnector
 
-    scheduler, hasher, vllm_config, kvc = build(workdir, config_file, num_blocks, async_loads)
+    scheduler, hasher, vllm_config, kvc = build(workdir, config_file, num_blocks, async_loads,
+                                                layout, events)
     worker = KVPluginConnector(vllm_config, KVConnectorRole.WORKER, kvc)
-    runner = Runner(scheduler, worker, num_blocks)
+    runner = Runner(scheduler, worker, num_blocks, layout)
     runner.hasher = hasher
     return scheduler, runner
 
 
-def run_vllm(workdir: str, config_file: str, workload: list[dict[str, Any]]
-             ) -> dict[str, Any]:
-    scheduler, runner = engine(workdir, config_file, 24)
+def run_vllm(workdir: str, config_file: str, workload: list[dict[str, Any]],
+             layout: str = "full") -> dict[str, Any]:
+    scheduler, runner = engine(workdir, config_file, 28, layout=layout)
     try:
-        return drive(scheduler, runner, runner.hasher, workload)
+        return drive(scheduler, runner, workload)
     finally:
         runner.w.shutdown()
         scheduler.get_kv_connector().shutdown()  # the disk tier's lock is released here
 
 
-def expected_pages(tokens: list[int], first: int, n: int) -> torch.Tensor:
-    """kvplugin's page format of ``n`` blocks from token ``first``: (block, K/V, layer,
-    slot, head, dim)."""
-    pages = []
-    for b in range(n):
-        start = first + b * BS
-        slots = torch.stack([kv_value(tokens[p], p) for p in range(start, start + BS)])
-        pages.append(slots.permute(1, 2, 0, 3, 4))
-    return torch.stack(pages)
+def tail_scenario(workdir: str) -> dict[str, Any]:
+    """A finish-time partial tail: ``t`` (100-token prompt) is aborted right after its
+    prefill stopped at 96, the prompt's last hash boundary, inside a Mamba block: vLLM hands
+    the connector the running state block (``register_finished_partial_tail``). A fresh
+    engine (empty device cache, same tier) then serves ``u``, which shares those 96 tokens:
+    it loads the six chunks and the state at 96."""
+    scen_dir = os.path.join(workdir, "mamba_tail")
+    os.makedirs(scen_dir)
+    config_file = write_config(scen_dir, disk=True, remote_url=None, layout="mamba")
+    scheduler, runner = engine(workdir, config_file, 28, layout="mamba")
+    conn = scheduler.get_kv_connector()
+    calls: list[dict[str, Any]] = []
+    register = conn.register_finished_partial_tail
+
+    def spy(request: Any, block_ids: Any, tails: Any) -> bool:
+        kept = register(request, block_ids, tails)
+        calls.append({"req": request.request_id, "boundaries": [t[2] for t in tails],
+                      "kept": kept})
+        return kept
+
+    conn.register_finished_partial_tail = spy
+    t = prompt(5, 100)
+    try:
+        first = drive(scheduler, runner,
+                      [{"id": "t", "prompt": t, "arrival": 0, "max_tokens": 4, "abort_at": 96}])
+    finally:
+        runner.w.shutdown()
+        conn.shutdown()
+    second = run_vllm(workdir, config_file, [
+        {"id": "u", "prompt": t[:96] + prompt(55, 20), "arrival": 0, "max_tokens": 2}],
+        "mamba")
+    return {"scenario": "mamba_tail", "tail_calls": calls, "first": first, "second": second}
 
 
-async def native_load(config_file: str, tokens: list[int], tenant: str) -> dict[str, Any]:
-    """The native async manager looks ``tokens`` up and loads what the tiers hold."""
+# --------------------------------------------------------------------------- native side
+def _group_rows(mgr: Any, group: int, ids: list[int]) -> Any:
     import numpy as np
 
+    return torch.from_numpy(np.array(mgr.memory.pages(group, ids)).copy())
+
+
+async def native_load(config_file: str, tokens: list[int], tenant: str, layout: str = "full"
+                      ) -> dict[str, Any]:
+    """The native async manager looks ``tokens`` up and loads what the tiers hold; every
+    group's loaded blocks (and the state) are compared with the fake KV."""
     from kvplugin.plugin import load_plugin
 
     async with load_plugin(config_file) as plugin:
@@ -384,16 +303,29 @@ async def native_load(config_file: str, tokens: list[int], tenant: str) -> dict[
         adm = mgr.allocate(req, found)
         assert adm is not None
         outcome = await mgr.wait_load(req) if adm.loading else None
-        n = adm.external_tokens // BS
-        ids = mgr.core.get_block_ids(req.request_id)[0][:n]
-        equal = False
+        hit = adm.external_tokens
+        n = hit // BS
+        table = mgr.core.get_block_ids(req.request_id)
+        equal = n > 0
         if n:
-            rows = np.array(mgr.memory.pages(0, ids)).view(np.float32)
-            got = torch.from_numpy(rows.copy()).reshape(n, 2, len(LAYERS), BS, HEADS, HEAD)
-            equal = torch.equal(got, expected_pages(tokens, 0, n))
+            got = _group_rows(mgr, 0, table[0][:n]).view(torch.float32)
+            equal = torch.equal(got.reshape(n, 2, len(LAYERS), BS, HEADS, HEAD),
+                                expected_pages(tokens, 0, n))
+        if n and layout == "swa":  # only the window before the hit: the rest is null
+            ids = [b for b in table[1][:n] if b]
+            first = n - len(ids)
+            got = _group_rows(mgr, 1, ids).view(torch.float32)
+            equal = equal and torch.equal(
+                got.reshape(len(ids), 2, len(LAYERS), BS, HEADS, HEAD),
+                expected_pages(tokens, first * BS, len(ids), 1))
+        if n and layout == "mamba":
+            bid = table[1][-(hit // -MAMBA_BS) - 1]
+            row = _group_rows(mgr, 1, [bid]).reshape(-1)
+            want = state_value(tokens[:hit]).reshape(-1)
+            equal = equal and torch.equal(row[:want.numel()], want)
         mgr.finish(req)
         await mgr.drain()
-        return {"external_tokens": adm.external_tokens,
+        return {"external_tokens": hit,
                 "loaded_tokens": outcome.loaded_tokens if outcome else 0, "equal": equal}
 
 
@@ -414,34 +346,40 @@ async def native_store(config_file: str, tokens: list[int], tenant: str) -> int:
         mgr.after_step([req])
         mgr.finish(req)
         await mgr.drain()
-        return mgr.stats().stores
+        return int(mgr.stats().stores)
 
 
-def native_scenario(workdir: str) -> dict[str, Any]:
-    """Same tier, same keys: vLLM stores and the native manager loads, and the reverse."""
-    import asyncio
-
-    scen_dir = os.path.join(workdir, "native")
+def native_scenario(workdir: str, name: str) -> dict[str, Any]:
+    """Same tier, same keys: vLLM stores and the native manager loads (every layout), and
+    the reverse (full attention)."""
+    layout = {"native": "full", "native_swa": "swa", "native_mamba": "mamba"}[name]
+    scen_dir = os.path.join(workdir, name)
     os.makedirs(scen_dir)
-    config_file = write_config(scen_dir, disk=True, remote_url=None)
+    config_file = write_config(scen_dir, disk=True, remote_url=None, layout=layout)
     salt = "tenant=acme"  # what the native manager salts tenant acme's requests with
-    shared = prompt(1, 80)
+    shared = prompt(1, 144 if layout == "mamba" else 80)
     stored = run_vllm(workdir, config_file, [
-        {"id": "a", "prompt": shared, "arrival": 0, "max_tokens": 2, "salt": salt}])
-    native = asyncio.run(native_load(config_file, shared + prompt(98, 20), "acme"))
-    other = asyncio.run(native_load(config_file, shared + prompt(98, 20), "other"))
-    theirs = prompt(2, 96)
-    stores = asyncio.run(native_store(config_file, theirs, "acme"))
-    loaded = run_vllm(workdir, config_file, [
-        {"id": "c", "prompt": theirs + prompt(97, 10), "arrival": 0, "max_tokens": 2,
-         "salt": salt}])
-    return {"scenario": "native", "vllm_stored_chunks": stored["saved_chunks"],
-            "native_load": native, "other_tenant_load": other, "native_stores": stores,
-            "vllm_loads": loaded["loads"], "vllm_free_blocks": loaded["free_blocks"],
-            "num_blocks": loaded["num_blocks"]}
+        {"id": "a", "prompt": shared, "arrival": 0, "max_tokens": 2, "salt": salt}], layout)
+    tail = prompt(98, 20)
+    native = asyncio.run(native_load(config_file, shared + tail, "acme", layout))
+    other = asyncio.run(native_load(config_file, shared + tail, "other", layout))
+    out: dict[str, Any] = {"scenario": name, "vllm_stored_chunks": stored["saved_chunks"],
+                           "vllm_saved_pieces": stored["saved_pieces"],
+                           "native_load": native, "other_tenant_load": other}
+    if layout == "full":
+        theirs = prompt(2, 96)
+        out["native_stores"] = asyncio.run(native_store(config_file, theirs, "acme"))
+        loaded = run_vllm(workdir, config_file, [
+            {"id": "c", "prompt": theirs + prompt(97, 10), "arrival": 0, "max_tokens": 2,
+             "salt": salt}])
+        out.update(vllm_loads=loaded["loads"], vllm_free_blocks=loaded["free_blocks"],
+                   num_blocks=loaded["num_blocks"])
+    return out
 
 
 def main(argv: list[str]) -> int:
+    import json
+
     from connectors.faults import LocalRedisServer
 
     with tempfile.TemporaryDirectory(prefix="kvplugin-vllm-") as workdir:

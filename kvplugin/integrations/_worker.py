@@ -1,0 +1,233 @@
+"""The worker side of the vLLM connector: loads into and stores out of vLLM's KV tensors.
+
+Loads: a step's synchronous loads are in the tensors when ``start_load_kv`` returns (the
+forward reads them); async ones report through ``get_transfer_results``. A load that
+misses or fails verification is reported the way vLLM 0.33 accepts for the layout:
+
+* one KV-cache group (``per_request`` False): the block ids from the first bad object on,
+  through ``get_block_ids_with_load_errors`` (vLLM truncates to the first one);
+* several groups: the request id, as finished *and* failed receiving (block ids are unique
+  per group only; vLLM raises on them and resets the request to recompute).
+
+Stores copy the pages out at ``wait_for_save`` (the device may reuse the blocks at once;
+a Mamba state block is not even held by the request) and finish in the background.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from connectors.keys import ObjectKey
+from kvplugin.integrations import _events
+from kvplugin.integrations._groups import pages_out
+from kvplugin.serde import Block
+
+if TYPE_CHECKING:
+    from kvplugin.integrations._groups import GroupIO
+    from kvplugin.integrations._hits import Piece
+    from kvplugin.integrations._runtime import Runtime
+
+__all__ = ["WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """An async load in flight."""
+
+    spec: Any  # LoadSpec
+    future: concurrent.futures.Future[list[Block | None]]
+
+
+@dataclass(slots=True)
+class _Put:
+    """A store in flight and the events it reports once every object is in."""
+
+    future: concurrent.futures.Future[int]
+    count: int
+    events: list[_events.StoredObject]
+
+
+@dataclass(slots=True)
+class _WorkerState:
+    saves: dict[str, list[_Put]] = field(default_factory=dict)
+    loads: dict[str, _Pending] = field(default_factory=dict)
+    awaiting_send: set[str] = field(default_factory=set)
+    load_errors: set[int] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)  # finished with a failure
+    stored: list[_events.StoredObject] = field(default_factory=list)
+
+
+class WorkerSide:
+    """Mixed into the connector; expects ``_rt``, ``_groups`` and ``_copy_in``."""
+
+    _rt: Runtime
+    _groups: list[GroupIO]
+    _kv: dict[str, Any]
+    _w: _WorkerState
+    _medium: str
+
+    def _init_worker(self, medium: str) -> None:
+        self._kv = {}
+        self._w = _WorkerState()
+        self._medium = medium
+
+    if TYPE_CHECKING:  # provided by vLLM's base class and by the connector
+        def _get_connector_metadata(self) -> Any: ...
+
+        def _copy_in(self, piece: Piece, payload: Any) -> None: ...
+
+    def _drain_saves(self) -> None:
+        for puts in self._w.saves.values():
+            concurrent.futures.wait([p.future for p in puts], timeout=self._rt.timeouts.store)
+
+    # ------------------------------------------------------------------ loads
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start this step's loads; synchronous ones are in the tensors on return (the
+        model reads them in this forward), async ones report through get_finished."""
+        meta = self._get_connector_metadata()
+        timeout = self._rt.timeouts.load
+        for spec in meta.loads:
+            fut: concurrent.futures.Future[list[Block | None]]
+            if spec.broken:
+                fut = concurrent.futures.Future()
+                fut.set_result([None] * len(spec.pieces))
+            else:
+                keys = [p.key for p in spec.pieces]
+                fut = self._rt.loop.submit(self._rt.connector.get(keys, timeout=timeout))
+            if spec.is_async:
+                self._w.loads[spec.req_id] = _Pending(spec, fut)
+            else:
+                self._finish_load(spec, fut)
+        for rid in meta.delayed_frees:
+            self._w.awaiting_send.add(rid)
+
+    def _finish_load(self, spec: Any, fut: concurrent.futures.Future[list[Block | None]]
+                     ) -> bool:
+        """Copy a finished load in; False when an object is missing or bad (reported)."""
+        try:
+            blocks: list[Block | None] = fut.result(self._rt.timeouts.load + 1.0)
+        except Exception as e:
+            logger.warning("kvplugin load for %s failed: %r", spec.req_id, e)
+            blocks = [None] * len(spec.pieces)
+        if spec.per_request:
+            if any(b is None for b in blocks):
+                # Nothing is copied: vLLM starts the request over and recomputes it all.
+                self._w.failed_loads.add(spec.req_id)
+                return False
+            for piece, block in zip(spec.pieces, blocks, strict=True):
+                assert block is not None
+                self._copy_in(piece, block.payload)
+            return True
+        for i, (piece, block) in enumerate(zip(spec.pieces, blocks, strict=True)):
+            if block is None:
+                # vLLM recomputes from the first bad block: report every block from here.
+                for p in spec.pieces[i:]:
+                    self._w.load_errors.update(b for b in p.block_ids if b)
+                return False
+            self._copy_in(piece, block.payload)
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # synchronous loads completed in start_load_kv
+
+    # ------------------------------------------------------------------ stores
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # pages are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        """Copy this step's objects out of the KV tensors (the device may reuse the blocks
+        at once) and hand them to the tiers; the puts finish in the background."""
+        meta = self._get_connector_metadata()
+        for spec in meta.saves:
+            items = self._items_out(spec.pieces)
+            fut = self._rt.loop.submit(
+                self._rt.connector.put(items, timeout=self._rt.timeouts.store))
+            events = [p.event for p in spec.pieces if p.event is not None]
+            self._w.saves.setdefault(spec.req_id, []).append(_Put(fut, len(items), events))
+
+    def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
+        torch = importlib.import_module("torch")
+        out = []
+        for p in pieces:
+            shape = self._groups[p.group].shape
+            pages = pages_out(self._groups[p.group], self._kv, p.block_ids)
+            payload = pages.view(torch.uint8).numpy().tobytes()
+            if p.state:
+                meta = p.key.meta(token_start=0, token_end=p.first_token, dtype=shape.dtype,
+                                  shape=(1, *shape.dims), boundary=p.first_token)
+            else:
+                n = len(p.block_ids)
+                end = p.first_token + n * shape.block_size
+                meta = p.key.meta(token_start=p.first_token, token_end=end,
+                                  dtype=shape.dtype, shape=(n, *shape.dims))
+            out.append((p.key, Block(meta, payload)))
+        return out
+
+    # ------------------------------------------------------------------ results
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        """(finished_sending, finished_recving): delayed frees whose stores are done, async
+        loads that completed (copied into the tensors here, errors recorded)."""
+        sending = set()
+        for rid in list(self._w.awaiting_send):
+            puts = self._w.saves.get(rid, [])
+            if all(p.future.done() for p in puts):
+                self._settle(rid, puts)
+                self._w.saves.pop(rid, None)
+                self._w.awaiting_send.discard(rid)
+                sending.add(rid)
+        recving = set()
+        for rid, pending in list(self._w.loads.items()):
+            if pending.future.done():
+                del self._w.loads[rid]
+                self._finish_load(pending.spec, pending.future)
+                recving.add(rid)
+        # Saves of requests that finished without a delayed free (or still run).
+        for rid in list(self._w.saves):
+            if rid not in self._w.awaiting_send:
+                done = [p for p in self._w.saves[rid] if p.future.done()]
+                self._settle(rid, done)
+                left = [p for p in self._w.saves[rid] if not p.future.done()]
+                if left:
+                    self._w.saves[rid] = left
+                else:
+                    del self._w.saves[rid]
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.33's results: get_finished's, plus the async loads that failed (a request
+        of a multi-group layout; it is in finished_recving too, as vLLM requires)."""
+        base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._w.failed_loads = self._w.failed_loads & set(recving or ()), set()
+        return base.KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                               finished_recving=set(recving or ()),
+                                               failed_recving=failed)
+
+    def _settle(self, rid: str, puts: list[_Put]) -> None:
+        for p in puts:
+            exc = None if p.future.cancelled() else p.future.exception()
+            if p.future.cancelled() or exc is not None:
+                logger.warning("kvplugin store for %s failed: %r", rid, exc)
+            elif p.future.result() >= p.count:
+                self._w.stored += p.events  # every object of the put is in the tier
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._w.load_errors = self._w.load_errors, set()
+        return errors
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """``BlockStored`` of the objects whose puts completed since the last call."""
+        if not self._w.stored:
+            return None
+        stored, self._w.stored = self._w.stored, []
+        events = _events.new_events(1)
+        events.add_events([_events.stored_event(s, self._medium) for s in stored])
+        return events
