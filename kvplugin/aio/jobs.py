@@ -15,7 +15,7 @@ import asyncio
 import enum
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,7 +203,7 @@ class StoreJob:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     ended: JobEnd | None = None
     # Copy-outs not done at hand-off: run first thing in the job (see Stores._start).
-    prepare: Callable[[], None] | None = field(default=None, repr=False)
+    prepare: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
     pending: Any = field(default=None, repr=False)  # what ``prepare`` copies
 
 
@@ -262,7 +262,7 @@ async def run_store(job: StoreJob, connector: Connector, gate: IOGate, timeout: 
     reads ``job.ended``), never raised: nobody waits for a store."""
     try:
         if job.prepare is not None:
-            job.prepare()
+            await job.prepare()
         async with asyncio.timeout(timeout):
             deadline = Deadline.after(timeout)
             async with gate.slot(Priority.STORE):

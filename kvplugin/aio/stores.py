@@ -11,6 +11,7 @@ and a lookup counts a boundary only when every group's objects are present.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -76,6 +77,7 @@ class _PendingCopy:
 
     items: list[PutItem]
     copies: list[tuple[int, int, list[int]]]
+    copied: int = 0  # ``copies[:copied]`` are done
     done: bool = False
 
 
@@ -110,13 +112,28 @@ class CopyWatch:
                 self.run(pc)
 
     def run(self, pc: _PendingCopy) -> None:
-        if pc.done:
-            return
-        for i, group, ids in pc.copies:
-            key, blk = pc.items[i]
-            data = self._memory.copy_out_bytes(group, ids)
-            pc.items[i] = (key, Block(blk.meta, cast("Buffer", data)))
+        """Every copy left, now (a block is about to be reused)."""
+        while not pc.done and pc.copied < len(pc.copies):
+            self._copy_next(pc)
         self.discard(pc)
+
+    async def run_sliced(self, pc: _PendingCopy) -> None:
+        """Every copy left, one chunk per loop callback: a big job's copy-out must not
+        hold the loop (and the engine's next wake-up) for milliseconds at a stretch."""
+        while not pc.done and pc.copied < len(pc.copies):
+            if pc.copied:
+                await asyncio.sleep(0)
+                if pc.done:  # the reuse hook ran the rest meanwhile
+                    return
+            self._copy_next(pc)
+        self.discard(pc)
+
+    def _copy_next(self, pc: _PendingCopy) -> None:
+        i, group, ids = pc.copies[pc.copied]
+        key, blk = pc.items[i]
+        data = self._memory.copy_out_bytes(group, ids)
+        pc.items[i] = (key, Block(blk.meta, cast("Buffer", data)))
+        pc.copied += 1
 
     def discard(self, pc: _PendingCopy) -> None:
         """Done with (copied, or its job ended first): the hook forgets it."""
@@ -326,7 +343,7 @@ class Stores(JobSide):
         if later:
             pending = _PendingCopy(items, later)
             self.copies.add(pending)
-            job.prepare = lambda: self.copies.run(pending)
+            job.prepare = lambda: self.copies.run_sliced(pending)
             job.pending = pending
         self._storing |= job.key_ids
         self._bytes += nbytes

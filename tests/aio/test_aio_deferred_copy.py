@@ -5,6 +5,8 @@ blocks it would without offload, and nothing is left watching when the jobs end.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aio_testlib import FakeModel, admit, all_blocks, free_blocks, make_manager, serve
 
@@ -133,6 +135,36 @@ async def test_big_copies_go_to_sealed_pool_slots_the_memory_tier_keeps(
         kept = list(conn._objects.values())
         assert len(kept) == 3
         assert all(type(o.payload.obj) is Sealed for o in kept)  # type: ignore[union-attr]
+        mgr.core.reset_prefix_cache()
+        assert await _reload_and_check(mgr, model, "b") == 6
+        await mgr.drain()
+        _clean(mgr)
+
+
+@pytest.mark.asyncio
+async def test_a_job_copies_one_chunk_per_callback_and_the_hook_takes_the_rest() -> None:
+    async with make_manager(num_blocks=9, store_mode=StoreMode.COPY, chunk_blocks=2) as mgr:
+        model = FakeModel(mgr)
+        x = mgr.new_request("x", list(range(900, 929)), tenant="acme")
+        found = await mgr.lookup(x)
+        a = mgr.new_request("a", PROMPT, tenant="acme")
+        _, step = await admit(mgr, a)
+        model.step(a, step.num_new_tokens)
+        assert mgr.after_step([a]) == 3
+        (job,) = mgr._jobs
+        await asyncio.sleep(0)  # the job's first step: one chunk
+        assert [bool(bytes(blk.payload)) for _, blk in job.items] == [True, False, False]
+        a.status = RequestStatus.FINISHED_STOPPED
+        mgr.finish(a)
+        step = mgr.allocate(x, found)  # takes a's blocks: the hook copies the other two
+        assert step is not None
+        x.status = RequestStatus.RUNNING
+        assert all(bytes(blk.payload) for _, blk in job.items)
+        assert mgr.stats().copies_on_reuse == 1
+        model.step(x, step.num_new_tokens)
+        x.status = RequestStatus.FINISHED_STOPPED
+        mgr.finish(x)
+        await mgr.drain()
         mgr.core.reset_prefix_cache()
         assert await _reload_and_check(mgr, model, "b") == 6
         await mgr.drain()
