@@ -29,14 +29,12 @@ Keys are ``<prefix><96 hex>``; the prefix is validated, the rest is derived hex.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn, TypeVar
-from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit, urlunsplit
+from typing import TYPE_CHECKING, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -52,12 +50,27 @@ from connectors.base import (
     ConnectorError,
     Encoded,
     PutOutcome,
-    StorageFull,
     StoragePermissionError,
     StoreBase,
     finish,
 )
-from connectors.resp import ErrorReply, ProtocolError, Reply, pack, pack_set, wire_class
+from connectors.redis_common import (
+    DENIED,
+    TRANSIENT,
+    WRONG_TYPE,
+    batches,
+    denied_message,
+    public_url,
+    reply_count,
+    reply_error,
+    reply_ok,
+    reply_pong,
+    reply_set,
+    reply_strlen,
+    reply_value,
+    secret_forms,
+)
+from connectors.resp import Reply, pack, pack_set, wire_class
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -69,10 +82,6 @@ __all__ = ["RedisConnector", "RedisOptions"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
-# Errors worth another attempt: the connection broke or the server did not answer in time.
-# BusyLoadingError (a ConnectionError) is a restarting server loading its data set.
-_TRANSIENT = (rexc.ConnectionError, rexc.TimeoutError, OSError)
-_DENIED = (rexc.AuthenticationError, rexc.AuthorizationError, rexc.NoPermissionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,19 +123,10 @@ class RedisOptions:
     def __repr__(self) -> str:
         # Options get logged; the URL may carry a password.
         shown = ", ".join(
-            f"{name}={_public_url(self.url) if name == 'url' else getattr(self, name)!r}"
+            f"{name}={public_url(self.url) if name == 'url' else getattr(self, name)!r}"
             for name in self.__dataclass_fields__
         )
         return f"RedisOptions({shown})"
-
-
-class _Wrong(enum.Enum):
-    """A key holding something other than a string (``WRONGTYPE``): not one of our objects."""
-
-    TYPE = "wrong type"
-
-
-WRONG_TYPE = _Wrong.TYPE
 
 
 class RedisConnector(StoreBase):
@@ -151,7 +151,7 @@ class RedisConnector(StoreBase):
             previous_secrets=previous_secrets,
         )
         self.options = opts
-        self.url = _public_url(opts.url)  # for messages: the password is never shown
+        self.url = public_url(opts.url)  # for messages: the password is never shown
         self._prefix = opts.prefix.encode()
         self._rng = rng or random.Random()  # jitter only; never the global random state
         self._breaker = CircuitBreaker(opts.breaker_threshold, opts.breaker_cooldown)
@@ -166,7 +166,7 @@ class RedisConnector(StoreBase):
         # Set before the first connection is made (the pool creates them lazily).
         self._pool.connection_class = wire_class(self._pool.connection_class)
         # The password redis-py will send, wherever the URL put it (userinfo or query).
-        self._secrets = _secret_forms(self._pool.connection_kwargs.get("password"))
+        self._secrets = secret_forms(self._pool.connection_kwargs.get("password"))
 
     @property
     def breaker_state(self) -> str:
@@ -183,9 +183,9 @@ class RedisConnector(StoreBase):
 
     async def _prefix_present(self, ids: list[str]) -> int:
         n = 0
-        for batch in _batches(ids, self.options.lookup_batch):
+        for batch in batches(ids, self.options.lookup_batch):
             commands = [[pack(b"STRLEN", self.redis_key(s))] for s in batch]
-            lengths = await self._call("lookup", commands, _strlen)
+            lengths = await self._call("lookup", commands, reply_strlen)
             # O(1) per key, unlike GET; an empty string reads 0 (a miss, dropped by get/put).
             wrong = [s for s, length in zip(batch, lengths, strict=True) if length is WRONG_TYPE]
             if wrong:
@@ -198,9 +198,10 @@ class RedisConnector(StoreBase):
 
     async def _fetch(self, ids: list[str]) -> list[Buffer | None]:
         out: list[Buffer | None] = []
-        for batch in _batches(ids, self.options.get_batch):
+        for batch in batches(ids, self.options.get_batch):
             commands = [[pack(b"GET", self.redis_key(s))] for s in batch]
-            for sid, value in zip(batch, await self._call("get", commands, _value), strict=True):
+            values = await self._call("get", commands, reply_value)
+            for sid, value in zip(batch, values, strict=True):
                 if value is not WRONG_TYPE:
                     out.append(value)
                     continue
@@ -215,7 +216,7 @@ class RedisConnector(StoreBase):
     ) -> list[PutOutcome]:
         keys = [self.redis_key(sid) for sid, _ in items]
         encs = [finish(enc) for _, enc in items]
-        written = await self._call("put", self._sets(keys, encs, nx=not overwrite), _set_reply)
+        written = await self._call("put", self._sets(keys, encs, nx=not overwrite), reply_set)
         taken = [i for i, done in enumerate(written) if not done]
         if taken:
             redone = await self._reclaim([keys[i] for i in taken], [encs[i] for i in taken])
@@ -229,7 +230,7 @@ class RedisConnector(StoreBase):
         """``SET NX`` found these keys taken: confirm (one cheap round trip) that each holds
         a non-empty string, and overwrite the ones that do not (a wrong type, or an empty or
         vanished value). Returns the positions written."""
-        lengths = await self._call("put", [[pack(b"STRLEN", k)] for k in keys], _strlen)
+        lengths = await self._call("put", [[pack(b"STRLEN", k)] for k in keys], reply_strlen)
         bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
         wrong = sum(1 for length in lengths if length is WRONG_TYPE)
         if wrong:
@@ -238,7 +239,7 @@ class RedisConnector(StoreBase):
         if bad:
             # A plain SET replaces a value of any type, atomically: no UNLINK needed.
             plain = self._sets([keys[i] for i in bad], [encs[i] for i in bad], nx=False)
-            await self._call("put", plain, _ok)
+            await self._call("put", plain, reply_ok)
         return bad
 
     def _sets(self, keys: list[bytes], encs: list[EncodedBlock], *, nx: bool) -> list[list[Buffer]]:
@@ -259,11 +260,11 @@ class RedisConnector(StoreBase):
 
     async def _remove(self, ids: list[str]) -> int:
         command = [pack(b"UNLINK", *(self.redis_key(s) for s in ids))]
-        (removed,) = await self._call("delete", [command], _count(len(ids)))
+        (removed,) = await self._call("delete", [command], reply_count(len(ids)))
         return removed
 
     async def _ping(self) -> None:
-        await self._call("ping", [[pack(b"PING")]], _pong)
+        await self._call("ping", [[pack(b"PING")]], reply_pong)
 
     async def _close(self) -> None:
         await self._pool.aclose()
@@ -304,17 +305,17 @@ class RedisConnector(StoreBase):
             while True:
                 try:
                     result = await self._roundtrip(commands, check)
-                except _DENIED as exc:
+                except DENIED as exc:
                     settled = True
                     self._breaker.success()  # the server answered
-                    text = _denied(self.url, exc)
+                    text = denied_message(self.url, exc)
                     raise self._error(StoragePermissionError, op, text) from self._shown(exc)
                 except rexc.InvalidResponse as exc:
                     settled = True
                     self._breaker.failure()  # a server we cannot understand is not working
                     text = f"protocol error from {self.url} (connection dropped): {exc}"
                     raise self._error(BackendError, op, text) from self._shown(exc)
-                except _TRANSIENT as exc:
+                except TRANSIENT as exc:
                     if attempt >= self.options.retries:
                         settled = True
                         self._breaker.failure()
@@ -327,7 +328,7 @@ class RedisConnector(StoreBase):
                 except rexc.RedisError as exc:
                     settled = True
                     self._breaker.success()
-                    kind, text = _reply_error(exc)
+                    kind, text = reply_error(exc)
                     raise self._error(kind, op, text) from self._shown(exc)
                 else:
                     settled = True
@@ -353,102 +354,3 @@ class RedisConnector(StoreBase):
         """Exponential backoff with "equal jitter": half fixed, half random."""
         cap = min(self.options.backoff_cap, self.options.backoff_base * 2.0 ** (attempt - 1))
         return cap / 2 + self._rng.uniform(0, cap / 2)
-
-
-# --- reply checks: each returns what its command can answer, or raises ------------------------
-
-
-def _strlen(reply: Reply) -> int | _Wrong:
-    if type(reply) is int and reply >= 0:
-        return reply
-    return _wrong_type(reply)
-
-
-def _value(reply: Reply) -> memoryview | _Wrong | None:
-    if reply is None or type(reply) is memoryview:
-        return reply
-    return _wrong_type(reply)
-
-
-def _set_reply(reply: Reply) -> bool:
-    """``SET NX``: True when written, False when the key was taken."""
-    if reply is None:
-        return False
-    return _ok(reply)
-
-
-def _ok(reply: Reply) -> bool:
-    if reply == "OK":
-        return True
-    _unexpected(reply)
-
-
-def _pong(reply: Reply) -> None:
-    if reply != "PONG":
-        _unexpected(reply)
-
-
-def _count(limit: int) -> Callable[[Reply], int]:
-    def check(reply: Reply) -> int:
-        if type(reply) is int and 0 <= reply <= limit:
-            return reply
-        _unexpected(reply)
-
-    return check
-
-
-def _wrong_type(reply: Reply) -> _Wrong:
-    if isinstance(reply, ErrorReply) and reply.code == "WRONGTYPE":
-        return WRONG_TYPE
-    _unexpected(reply)
-
-
-def _unexpected(reply: Reply) -> NoReturn:
-    """An error reply raises redis-py's exception for it; anything else is out of protocol."""
-    if isinstance(reply, ErrorReply):
-        raise reply.exception()
-    shown = f"a {reply.nbytes}-byte string" if isinstance(reply, memoryview) else repr(reply)
-    raise ProtocolError(f"unexpected reply {shown[:60]}")
-
-
-def _denied(url: str, exc: rexc.RedisError) -> str:
-    if isinstance(exc, rexc.AuthenticationError):
-        what = "refused the credentials (wrong or missing password, or unknown ACL user)"
-    else:
-        what = "denied the command (the ACL user lacks a permission)"
-    return f"{url} {what}: {exc}"
-
-
-def _reply_error(exc: rexc.RedisError) -> tuple[type[ConnectorError], str]:
-    if isinstance(exc, rexc.OutOfMemoryError):
-        return StorageFull, f"server out of memory ({exc})"
-    if isinstance(exc, rexc.ReadOnlyError):
-        return StoragePermissionError, f"server is read-only ({exc})"
-    return BackendError, str(exc)
-
-
-def _public_url(url: str) -> str:
-    """``url`` without its password (in the userinfo or a ``password=`` query argument)."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            user, host = parts.username or "", netloc.rpartition("@")[2]
-            netloc = f"{user}:***@{host}"
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k == "password" else v) for k, v in pairs], safe="*")
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    except ValueError:  # not a URL redis-py accepts either; show nothing that could leak
-        return "<unparsable redis url>"
-
-
-def _secret_forms(password: object) -> list[str]:
-    """The ways a password can show up in a message: as is and percent-encoded."""
-    if not isinstance(password, str) or not password:
-        return []
-    forms = {password, quote(password, safe=""), quote_plus(password, safe="")}
-    return sorted(forms, key=len, reverse=True)  # longest first: no partial replacements
-
-
-def _batches(ids: Sequence[str], size: int) -> list[Sequence[str]]:
-    return [ids[i : i + size] for i in range(0, len(ids), size)]

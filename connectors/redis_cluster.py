@@ -74,29 +74,28 @@ from connectors.base import (
     decode_all,
     finish,
 )
-from connectors.redis import (
-    _DENIED,
-    _TRANSIENT,
-    WRONG_TYPE,
-    RedisConnector,
-    RedisOptions,
-    _count,
-    _denied,
-    _ok,
-    _pong,
-    _public_url,
-    _reply_error,
-    _secret_forms,
-    _set_reply,
-    _strlen,
-    _value,
-    _Wrong,
-)
+from connectors.redis import RedisConnector, RedisOptions
 from connectors.redis_cluster_options import (
     SCHEME,
     RedisClusterOptions,
     is_cluster_url,
     remote_url_problem,
+)
+from connectors.redis_common import (
+    DENIED,
+    TRANSIENT,
+    WRONG_TYPE,
+    Wrong,
+    denied_message,
+    public_url,
+    reply_count,
+    reply_error,
+    reply_ok,
+    reply_pong,
+    reply_set,
+    reply_strlen,
+    reply_value,
+    secret_forms,
 )
 from connectors.resp import ErrorReply, Reply, pack, pack_set, wire_class
 
@@ -230,10 +229,10 @@ class RedisClusterConnector(StoreBase):
             previous_secrets=previous_secrets,
         )
         self.options = opts
-        self.url = _public_url(opts.url)
+        self.url = public_url(opts.url)
         self._prefix = opts.prefix.encode()
         self._rng = rng or random.Random()  # jitter only; never the global random state
-        self._secrets = _secret_forms(opts.password)
+        self._secrets = secret_forms(opts.password)
         # redis-py keeps the slot map; nothing connects before the first call.
         self._cluster = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in opts.nodes],
@@ -270,10 +269,10 @@ class RedisClusterConnector(StoreBase):
 
     async def _prefix_present(self, ids: list[str]) -> int:
         n = 0
-        for batch in _batches(ids, self.options.lookup_batch):
+        for batch in batches(ids, self.options.lookup_batch):
             keys = [self.redis_key(s) for s in batch]
             lengths = await self._call(
-                "lookup", keys, [[pack(b"STRLEN", k)] for k in keys], _strlen
+                "lookup", keys, [[pack(b"STRLEN", k)] for k in keys], reply_strlen
             )
             wrong = [s for s, length in zip(batch, lengths, strict=True) if length is WRONG_TYPE]
             if wrong:
@@ -290,12 +289,12 @@ class RedisClusterConnector(StoreBase):
     async def _fetch_some(self, ids: list[str]) -> list[Buffer | ConnectorError | None]:
         """Stored bytes per id: ``None`` when absent, the error when its node failed."""
         out: list[Buffer | ConnectorError | None] = []
-        for batch in _batches(ids, self.options.get_batch):
+        for batch in batches(ids, self.options.get_batch):
             keys = [self.redis_key(s) for s in batch]
-            values = await self._call("get", keys, [[pack(b"GET", k)] for k in keys], _value)
+            values = await self._call("get", keys, [[pack(b"GET", k)] for k in keys], reply_value)
             for sid, got in zip(batch, values, strict=True):
                 value: Buffer | ConnectorError | None
-                if isinstance(got, _Wrong):
+                if isinstance(got, Wrong):
                     # Loaded as an empty object: verification counts it as a corrupt miss
                     # and deletes it, as it does every other damaged object.
                     logger.warning("%s get: %s holds a non-string value", self.name, sid)
@@ -330,7 +329,7 @@ class RedisClusterConnector(StoreBase):
         keys = [self.redis_key(sid) for sid, _ in items]
         encs = [finish(enc) for _, enc in items]
         replies = await self._call(
-            "put", keys, self._sets(keys, encs, nx=not overwrite), _set_reply
+            "put", keys, self._sets(keys, encs, nx=not overwrite), reply_set
         )
         written = _all_or_raise(replies)
         taken = [i for i, done in enumerate(written) if not done]
@@ -346,7 +345,7 @@ class RedisClusterConnector(StoreBase):
         """``SET NX`` found these keys taken: confirm that each holds a non-empty string and
         overwrite the ones that do not (see :meth:`RedisConnector._reclaim`)."""
         commands = [[pack(b"STRLEN", k)] for k in keys]
-        lengths = _all_or_raise(await self._call("put", keys, commands, _strlen))
+        lengths = _all_or_raise(await self._call("put", keys, commands, reply_strlen))
         bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
         wrong = sum(1 for length in lengths if length is WRONG_TYPE)
         if wrong:
@@ -355,7 +354,7 @@ class RedisClusterConnector(StoreBase):
         if bad:
             bad_keys = [keys[i] for i in bad]
             plain = self._sets(bad_keys, [encs[i] for i in bad], nx=False)
-            _all_or_raise(await self._call("put", bad_keys, plain, _ok))
+            _all_or_raise(await self._call("put", bad_keys, plain, reply_ok))
         return bad
 
     def _sets(self, keys: list[bytes], encs: list[EncodedBlock], *, nx: bool) -> list[list[Buffer]]:
@@ -375,7 +374,8 @@ class RedisClusterConnector(StoreBase):
     async def _remove(self, ids: list[str]) -> int:
         # One UNLINK per key: a multi-key UNLINK would be cross-slot.
         keys = [self.redis_key(s) for s in ids]
-        counts = await self._call("delete", keys, [[pack(b"UNLINK", k)] for k in keys], _count(1))
+        counts = await self._call("delete", keys, [[pack(b"UNLINK", k)] for k in keys],
+                                  reply_count(1))
         return sum(_all_or_raise(counts))
 
     async def _ping(self) -> None:
@@ -389,7 +389,7 @@ class RedisClusterConnector(StoreBase):
         for outcome in await asyncio.gather(*(self._send(m, ping, [False]) for m in masters)):
             if isinstance(outcome, ConnectorError):
                 raise outcome
-            self._checked("ping", list(outcome), _pong)
+            self._checked("ping", list(outcome), reply_pong)
 
     async def _close(self) -> None:
         if self._refreshing is not None:
@@ -427,12 +427,12 @@ class RedisClusterConnector(StoreBase):
         single-node connector maps it (out of memory, read-only, denied, ...)."""
         try:
             return [o if isinstance(o, ConnectorError) else check(o) for o in outcomes]
-        except _DENIED as exc:
-            raise self._error(StoragePermissionError, op, _denied(self.url, exc)) from None
+        except DENIED as exc:
+            raise self._error(StoragePermissionError, op, denied_message(self.url, exc)) from None
         except rexc.InvalidResponse as exc:
             raise self._error(BackendError, op, f"unexpected reply: {exc}") from None
         except rexc.RedisError as exc:
-            kind, text = _reply_error(exc)
+            kind, text = reply_error(exc)
             raise self._error(kind, op, text) from None
 
     async def _exchange(
@@ -617,22 +617,22 @@ class RedisClusterConnector(StoreBase):
             settled = True
             breaker.success()
             return replies
-        except _DENIED as exc:
+        except DENIED as exc:
             settled = True
             breaker.success()  # the node answered
-            return self._error(StoragePermissionError, "call", _denied(self.url, exc))
+            return self._error(StoragePermissionError, "call", denied_message(self.url, exc))
         except rexc.InvalidResponse as exc:
             settled = True
             breaker.failure()
             return self._error(BackendError, "call", f"protocol error from {node}: {exc}")
-        except _TRANSIENT as exc:
+        except TRANSIENT as exc:
             settled = True
             breaker.failure()
             return self._error(BackendUnavailable, "call", f"{node}: {exc}")
         except rexc.RedisError as exc:
             settled = True
             breaker.success()
-            kind, text = _reply_error(exc)
+            kind, text = reply_error(exc)
             return self._error(kind, "call", f"{node}: {text}")
         finally:
             if not settled:
@@ -739,5 +739,5 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
-def _batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
+def batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from connectors.redis import RedisOptions, _public_url
+from connectors.redis import RedisOptions
+from connectors.redis_common import public_url
 
 __all__ = ["SCHEME", "RedisClusterOptions", "is_cluster_url", "remote_url_problem"]
 
@@ -23,12 +24,12 @@ def _parse_nodes(url: str) -> tuple[str | None, str | None, tuple[tuple[str, int
     """(username, password, startup nodes) of a ``redis-cluster://`` URL; ValueError."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme != SCHEME:
-        raise ValueError(f"not a {SCHEME}:// URL: {_public_url(url)}")
+        raise ValueError(f"not a {SCHEME}:// URL: {public_url(url)}")
     netloc, _, tail = rest.partition("/")
     if tail not in ("", "0") or "?" in rest or "#" in rest:
         raise ValueError(
             f"{SCHEME}:// takes no database, path or query (a cluster has only db 0): "
-            f"{_public_url(url)}"
+            f"{public_url(url)}"
         )
     userinfo, at, hosts = netloc.rpartition("@")
     user = password = None
@@ -47,11 +48,11 @@ def _host_port(part: str, url: str) -> tuple[str, int]:
     else:
         host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
     if not host or any(c in host for c in "[]@/ "):
-        raise ValueError(f"bad node {part!r} in {_public_url(url)}: expected host:port")
+        raise ValueError(f"bad node {part!r} in {public_url(url)}: expected host:port")
     if not port:
         return host, 6379
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad port in node {part!r} of {_public_url(url)}")
+        raise ValueError(f"bad port in node {part!r} of {public_url(url)}")
     return host, int(port)
 
 
@@ -98,7 +99,7 @@ class RedisClusterOptions:
     def __repr__(self) -> str:
         # Options get logged; the URL may carry a password.
         shown = ", ".join(
-            f"{name}={_public_url(self.url) if name == 'url' else getattr(self, name)!r}"
+            f"{name}={public_url(self.url) if name == 'url' else getattr(self, name)!r}"
             for name in _FIELDS
         )
         return f"RedisClusterOptions({shown})"
