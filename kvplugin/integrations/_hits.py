@@ -20,7 +20,8 @@ from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape
 from kvplugin.integrations._events import StoredObject
 
-__all__ = ["Piece", "layout_of", "load_pieces", "state_pieces", "tier_claim"]
+__all__ = ["Piece", "claim_dropped", "layout_of", "load_pieces", "state_pieces", "tier_claim",
+           "worth_reconciling"]
 
 STATE_PROBES = 8  # boundaries asked at once, deepest first (as the native manager does)
 
@@ -121,3 +122,28 @@ def state_pieces(keys: KeySpace, layout: plans.Layout, tenant: str,
     return [Piece(keys.state_key(tenant, o.group, block_hashes, o.boundary), o.group,
                   [o.block_id], o.boundary, state=True, event=ev)
             for o, ev in zip(offers, events, strict=True)]
+
+
+# ------------------------------------------------------------ divergent local hybrid hits
+# vLLM 0.33 (connector declaring supports_divergent_local_hybrid_hits): the per-group device
+# hits diverge when full attention reaches deeper than a lagging group and no group deeper
+# than it; vLLM then asks the connector from the attention hit cut to its scheduling block
+# (``local``), keeps the cut-off sub-block tail unless the claim goes past it, and, the hit
+# diverged, falls back to the reconciled hit without asking again when no claim is taken.
+
+
+def claim_dropped(per_group_hits: Sequence[int], attention_group: int, local: int,
+                  external: int) -> bool:
+    """Whether vLLM drops a claim of ``external`` tokens from ``local`` on this lookup and
+    falls back to the reconciled hit: the hit diverged and the claim does not go past the
+    attention hit's sub-block tail (0 included)."""
+    deep = per_group_hits[attention_group]
+    diverged = min(per_group_hits) < deep and max(per_group_hits) <= deep
+    return diverged and external <= deep - local
+
+
+def worth_reconciling(reconciled_hit: int, scheduler_block: int, external: int) -> bool:
+    """Whether a claim of ``external`` tokens from the reconciled hit cut to its scheduling
+    block is one vLLM takes (past the reconciled hit's own sub-block tail), i.e. better than
+    the reconciled hit alone."""
+    return external > reconciled_hit % scheduler_block

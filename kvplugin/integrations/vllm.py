@@ -19,7 +19,9 @@ manager's :func:`kvplugin.aio.plans.reconcile`): attention chunks up to it, a wi
 only the window before it, a Mamba group the state stored at exactly that boundary. Stores:
 each group's completed chunks (a window group's blocks vLLM still holds), the Mamba
 boundary states vLLM hands over each step (``kv_connector_block_state``) and the
-finish-time partial tails (``register_finished_partial_tail``).
+finish-time partial tails (``register_finished_partial_tail``). Divergent local hybrid hits
+(``supports_divergent_local_hybrid_hits``): vLLM may offer the attention groups' deeper
+device hit; a claim from it restores the lagging Mamba state at its end (docs/vllm.md).
 
 Scheduler side: a prefix lookup through the tiers, bounded by ``offload.lookup_timeout_ms``
 (a slow or dead tier is a miss, never a stall); loads and stores planned per step into the
@@ -48,7 +50,15 @@ from kvplugin.aio import plans
 from kvplugin.aio.reqstate import NO_HOLE
 from kvplugin.integrations import _events, _runtime
 from kvplugin.integrations._groups import GroupIO, check_tensors, group_ios, pages_in
-from kvplugin.integrations._hits import Piece, layout_of, load_pieces, state_pieces, tier_claim
+from kvplugin.integrations._hits import (
+    Piece,
+    claim_dropped,
+    layout_of,
+    load_pieces,
+    state_pieces,
+    tier_claim,
+    worth_reconciling,
+)
 from kvplugin.integrations._worker import WorkerSide
 
 __all__ = ["KVPluginConnector", "KVPluginConnectorMetadata", "LoadSpec", "Piece", "SaveSpec",
@@ -127,6 +137,7 @@ class _ReqState:
     async_hit: bool = False  # the last external hit was reported as an async load
     state_at: int | None = None  # the boundary of the claimed states
     load_failed: bool = False  # never claim from the tiers again: vLLM recomputes
+    settle: bool = False  # admitted without a load: the local hit is read at the step's end
 
 
 class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -163,6 +174,13 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
             _runtime.release(self._rt)
             raise
         self._closed = False
+        # Divergent local hybrid hits (see supports_divergent_local_hybrid_hits): on only
+        # with a state group (vLLM ignores it otherwise); off for one scheduling step while
+        # a request waits to be looked up on the reconciled hit.
+        self._divergent = bool(self._layout.state_groups) and bool(
+            extra.get("divergent_hits", True))
+        self._divergent_now = self._divergent
+        self._reconcile_for: set[str] = set()
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._meta = KVPluginConnectorMetadata()
@@ -209,63 +227,135 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kvm = kv_cache_manager
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """vLLM 0.33 then offers a hybrid request the full-attention groups' device hit
+        even where a Mamba state behind it was evicted (``hit_diverged``): a claim from
+        there loads the attention chunks beyond it and the state at its end, so the device
+        blocks [reconciled, deep) are kept instead of loaded again, and a tier that lost
+        some of them is no obstacle. A claim of 0 makes vLLM fall back to the reconciled
+        hit without asking again; when a claim from *there* exists (the tiers' deepest
+        state is at or before the deep hit), :meth:`get_num_new_matched_tokens` defers
+        the request one step with this off, so the flag never costs a hit."""
+        return self._divergent_now
+
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """External hit tokens beyond the device's ``num_computed_tokens``: the deepest
         point every group can be restored at from the tiers, capped so vLLM still computes
-        the last prompt token."""
+        the last prompt token. ``None`` (look again next step): a diverged hit the tiers
+        cannot extend, whose reconciled hit they can (see
+        :attr:`supports_divergent_local_hybrid_hits`)."""
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         st.state_at = None
         if not st.tenant or st.load_failed:
             return 0, False
-        timeout = self._rt.timeouts.lookup
-        try:
-            claim = self._rt.loop.call(tier_claim(
-                self._rt.connector, self._keys, self._layout, st.tenant,
-                request.block_hashes, request.num_tokens, num_computed_tokens, timeout),
-                timeout=timeout + 0.05)
-        except Exception as e:  # a tier that cannot answer in time is a miss, never a stall
-            logger.warning("kvplugin lookup for %s failed: %r", request.request_id, e)
+        claim = self._tier_claim(st, request, num_computed_tokens)
+        ext = claim.external if claim is not None and claim.local == num_computed_tokens else 0
+        if self._divergent_now and self._dropped(st, request, num_computed_tokens, ext):
+            self._reconcile_for.add(request.request_id)
+            return None, False
+        if ext <= 0:
             return 0, False
-        if claim.external <= 0 or claim.local != num_computed_tokens:
-            return 0, False
+        assert claim is not None
         st.async_hit = self._async_loads
         st.state_at = claim.state_at
-        return claim.external, self._async_loads
+        return ext, self._async_loads
+
+    def _tier_claim(self, st: _ReqState, request: Any, local: int) -> plans.Claim | None:
+        """What the tiers add to a device hit of ``local`` tokens; None when the lookup
+        failed or timed out (a miss, never a stall)."""
+        timeout = self._rt.timeouts.lookup
+        try:
+            return self._rt.loop.call(tier_claim(
+                self._rt.connector, self._keys, self._layout, st.tenant,
+                request.block_hashes, request.num_tokens, local, timeout),
+                timeout=timeout + 0.05)
+        except Exception as e:
+            logger.warning("kvplugin lookup for %s failed: %r", request.request_id, e)
+            return None
+
+    def _dropped(self, st: _ReqState, request: Any, local: int, ext: int) -> bool:
+        """Whether vLLM will drop this claim on a diverged hit and fall back to the
+        reconciled hit (:func:`claim_dropped`), which the tiers extend
+        (:func:`worth_reconciling`): then the request is better looked up again on the
+        reconciled hit. The device lookups repeat vLLM's own (block hashes against the
+        pool, nothing changed)."""
+        co = getattr(self._kvm, "coordinator", None)
+        fa = getattr(co, "full_attention_group_id", None)
+        if (co is None or fa is None or ext >= co.scheduler_block_size
+                or getattr(request, "skip_reading_prefix_cache", False)):
+            return False  # no hybrid coordinator, a claim past any sub-block tail, no lookup
+        cap = request.num_tokens - 1
+        if not claim_dropped(co.find_longest_cache_hit_per_group(request.block_hashes, cap)[1],
+                             fa, local, ext):
+            return False
+        _, hit, _ = co.find_longest_cache_hit(request.block_hashes, cap)
+        base = hit - hit % co.scheduler_block_size
+        claim = self._tier_claim(st, request, base)
+        if (claim is None or claim.local != base
+                or not worth_reconciling(hit, co.scheduler_block_size, claim.external)):
+            return False
+        logger.debug("kvplugin: %s diverged at %d (reconciled %d): the tiers extend the "
+                     "reconciled hit to %d; looked up again next step", request.request_id,
+                     local, hit, base + claim.external)
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         st = self._state(request)
-        # After an async load vLLM calls again (0 external tokens) with the loaded tokens
-        # already computed and no new lookup.
+        self._reconcile_for.discard(request.request_id)
+        if num_external_tokens <= 0:
+            # vLLM settles the local hit after this call (a kept sub-block tail, the
+            # reconciled hit of a diverged one, the end of an async load or 0 after a
+            # failed one): it is request.num_computed_tokens when the step's metadata is
+            # built.
+            st.settle = True
+            return
         local = max(st.local_tokens, request.num_computed_tokens)
         end = local + num_external_tokens
-        # Device hits were stored by whoever computed them, loaded chunks came from a tier:
-        # stores start after both (a resumed request restarts here too).
-        for g in self._layout.chunked_groups:
-            st.next_chunk[g] = end // self._layout.chunk_tokens(g)
-        st.known_until, st.hole = end, NO_HOLE
-        if num_external_tokens <= 0:
-            return
+        self._admit(st, end)
         pieces = load_pieces(self._keys, self._layout, st.tenant, request.block_hashes,
                              blocks.get_block_ids(), local, end, st.state_at)
-        # vLLM allocated every block the plan names (the native core's rules); a null one
-        # would mean it did not, and the load fails (vLLM recomputes) instead of writing
-        # the null block.
-        broken = any(0 in p.block_ids for p in pieces)
+        # vLLM allocated every block the plan names (the native core's rules), and a state
+        # lands in a fresh block (on a diverged hit too: the claim ends past every Mamba
+        # block vLLM found). A null block, or a state slot holding a cached block (another
+        # prefix's state), would mean it did not: the load fails (vLLM recomputes) instead
+        # of writing there.
+        broken = any(0 in p.block_ids for p in pieces) or self._on_cached(blocks, pieces)
         if broken:
-            logger.warning("kvplugin load for %s: vLLM gave a null block for a planned "
-                           "object; the load fails and vLLM recomputes", request.request_id)
+            logger.warning("kvplugin load for %s: vLLM gave a null or cached block for a "
+                           "planned object; the load fails and vLLM recomputes",
+                           request.request_id)
         spec = LoadSpec(request.request_id, pieces, st.async_hit, local, end, self._multi,
                         broken)
         st.loading = spec.is_async
         self._meta.loads.append(spec)
 
+    def _on_cached(self, blocks: Any, pieces: list[Piece]) -> bool:
+        """Whether a state piece would land in a block vLLM's prefix cache holds."""
+        for p in pieces:
+            if p.state:
+                slot = -(p.first_token // -self._layout.block_sizes[p.group]) - 1
+                if getattr(blocks.blocks[p.group][slot], "block_hash", None) is not None:
+                    return True
+        return False
+
+    def _admit(self, st: _ReqState, end: int) -> None:
+        """The request computes from ``end``: device hits were stored by whoever computed
+        them, loaded chunks came from a tier, so stores start after both (a resumed
+        request restarts here too)."""
+        for g in self._layout.chunked_groups:
+            st.next_chunk[g] = end // self._layout.chunk_tokens(g)
+        st.known_until, st.hole, st.settle = end, NO_HOLE, False
+
     def build_connector_meta(self, scheduler_output: Any) -> KVPluginConnectorMetadata:
         """This step's loads (planned at allocation), stores (the chunks this step's tokens
         complete, the Mamba states vLLM hands over) and delayed frees; resets the plan."""
         meta, self._meta = self._meta, KVPluginConnectorMetadata()
+        # The next step looks deferred requests up on their reconciled hits.
+        self._divergent_now = self._divergent and not self._reconcile_for
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers: dict[str, list[tuple[int, int, int]]] = (
             dict(block_state.boundary_state_offloads) if block_state is not None else {})
@@ -274,6 +364,8 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is not None:
+                if st.settle:
+                    self._admit(st, st.request.num_computed_tokens)
                 self._plan_save(st, st.request.num_computed_tokens + n, meta,
                                 offers.pop(rid, ()), rid not in gone)
         for rid, rest in offers.items():  # offers of requests not scheduled this step
@@ -379,6 +471,7 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
     def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while the request's stores run. Never while its async load is
         in flight: vLLM frees those itself when the load reports, and would free twice."""
+        self._reconcile_for.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None or not st.had_saves or st.loading:
             return False, None

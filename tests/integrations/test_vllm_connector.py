@@ -22,7 +22,8 @@ SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 DEFAULT_PY = Path.home() / ".cache" / "kvplugin-vllm-reference" / "bin" / "python"
 ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multiturn", "events",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
-       "mamba_tail", "native_mamba", "mamba_preempt"]
+       "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
+       "mamba_preempt_alone"]
 
 
 def _side_python() -> str:
@@ -152,7 +153,7 @@ def test_vllm_and_native_manager_share_keys_both_ways(results: dict[str, Any]) -
                                         "equal": False}
     # The reverse: the native manager stored 96 tokens (one store job), vLLM loads 6 blocks
     # equal to them (the fake KV is the same function of token and position).
-    assert rec["native_stores"] == 1
+    assert rec["native_store"] == {"steps": 1, "stores": 1}
     assert rec["vllm_loads"] == [{"req": "c", "first_token": 0, "blocks": 6, "async": False,
                                   "verified": 6, "mismatched": 0, "invalid": 0}]
     assert rec["vllm_free_blocks"] == rec["num_blocks"] - 1
@@ -262,6 +263,108 @@ def test_hybrid_blocks_stored_through_vllm_are_native_hits(results: dict[str, An
     assert rec["native_load"] == {"external_tokens": hit, "loaded_tokens": hit, "equal": True}
     assert rec["other_tenant_load"] == {"external_tokens": 0, "loaded_tokens": 0,
                                         "equal": False}
+
+
+@pytest.mark.parametrize("name", ["native_swa", "native_mamba"])
+def test_hybrid_blocks_stored_natively_are_vllm_hits(results: dict[str, Any],
+                                                    name: str) -> None:
+    rec = results[name]
+    # The native manager computed c's prefix step by step (Mamba: its core split the
+    # prefill at 128 to write the state there) and stored what its core handed over; vLLM
+    # (salt "tenant=acme") loads every group from the tier through the connector.
+    if name == "native_swa":
+        # 96 tokens: 6 full-attention blocks and the 32-token window before 96 (2 blocks).
+        assert rec["native_store"] == {"steps": 1, "stores": 1}
+        groups, hit = {"0": 6, "1": 2}, 96
+    else:
+        # 144 tokens: the deepest state the native core offered is at 128 (as vLLM's is):
+        # 8 chunks and that state, which c's first step resumes from.
+        assert rec["native_store"] == {"steps": 2, "stores": 2}
+        groups, hit = {"0": 8, "1": 1}, 128
+        assert rec["vllm_states_checked"] > 0
+    n = sum(groups.values())
+    assert rec["vllm_loads"] == [{"req": "c", "first_token": 0, "blocks": n, "async": True,
+                                  "verified": n, "mismatched": 0, "invalid": 0, "pieces": n,
+                                  "failed": False, "groups": groups}]
+    assert rec["vllm_state_mismatches"] == 0 and rec["vllm_failed_loads"] == []
+    # vLLM computed only what follows the hit (+ one decode step), and freed every block.
+    prompt_len = 106 if name == "native_swa" else 154
+    assert rec["vllm_finished"] == ["c"] and rec["vllm_computed"] == {"c": prompt_len - hit + 1}
+    assert rec["vllm_free_blocks"] == rec["num_blocks"] - 1
+
+
+# ---------------------------------------------------------------- divergent hybrid hits
+def _diverge_common(run: dict[str, Any]) -> None:
+    assert run["first_finished"] == ["a", "f"] and run["finished"] == ["b"]
+    assert run["free_blocks"] == run["num_blocks"] - 1
+    assert run["state_mismatches"] == 0 and run["states_checked"] > 0
+    assert run["invalid_blocks"] == 0 and run["failed_loads"] == []
+    for ld in run["loads"]:
+        assert ld["verified"] == ld["blocks"] and ld["mismatched"] == 0 == ld["invalid"]
+
+
+def test_divergent_hit_restores_the_lagging_state_from_the_tier(
+        results: dict[str, Any]) -> None:
+    rec = results["mamba_diverge"]
+    on, off = rec["on"], rec["off"]
+    _diverge_common(on)
+    _diverge_common(off)
+    # The filler evicted a's Mamba states and its last attention blocks: vLLM offers b
+    # the 160-token attention hit, diverged (no Mamba state behind it on the device), and
+    # asks the connector from 128 (its 64-token scheduling block).
+    assert on["local"] == [{"tokens": 160, "diverged": True}]
+    assert on["answers"] == [{"local": 128, "external": 64}]
+    # The load: chunks 128..192 (4) and the state at 192, both groups verified; the
+    # device's blocks before 128 are kept (the tier lost a's first 4 chunks anyway).
+    assert on["loads"] == [{"req": "b", "first_token": 128, "blocks": 5, "async": True,
+                            "verified": 5, "mismatched": 0, "invalid": 0, "pieces": 5,
+                            "failed": False, "groups": {"0": 4, "1": 1}}]
+    # Without the flag vLLM offers the reconciled hit (0): the tiers miss chunks 0..64,
+    # nothing is claimed and b is computed whole.
+    assert off["local"] == [] and off["answers"] == [{"local": 0, "external": 0}]
+    assert off["loads"] == []
+    assert on["b_computed"] == on["b_tokens"] - 192 - 1  # 40 prompt tokens + 1 decode
+    assert off["b_computed"] == off["b_tokens"] - 1
+    assert on["b_computed"] < off["b_computed"]
+
+
+def test_divergent_hit_the_tiers_cannot_extend_falls_back_without_losing_the_claim(
+        results: dict[str, Any]) -> None:
+    rec = results["mamba_diverge_exact"]
+    on, off = rec["on"], rec["off"]
+    _diverge_common(on)
+    _diverge_common(off)
+    # b's attention hit (192) reaches the tiers' deepest state: nothing to load beyond it,
+    # and vLLM would fall back to the reconciled hit (0) without asking again. The
+    # connector answers None (look again), vLLM looks b up next step on the reconciled
+    # hit (the flag off for that step: no divergent lookup) and the tiers serve 192.
+    assert on["local"] == [{"tokens": 192, "diverged": True}]
+    assert on["answers"] == [{"local": 192, "external": None}, {"local": 0, "external": 192}]
+    assert off["answers"] == [{"local": 0, "external": 192}]
+    groups = {"0": 12, "1": 1}
+    assert on["loads"] == off["loads"] == [{
+        "req": "b", "first_token": 0, "blocks": 13, "async": True, "verified": 13,
+        "mismatched": 0, "invalid": 0, "pieces": 13, "failed": False, "groups": groups}]
+    assert on["b_computed"] == off["b_computed"] == on["b_tokens"] - 192 - 1
+
+
+def test_mamba_pool_smaller_than_one_request_stalls_vllm_alone_too(
+        results: dict[str, Any]) -> None:
+    rec = results["mamba_preempt_alone"]
+    # 9 blocks (8 usable): a 64-token prompt generating 60 tokens needs 8 attention blocks
+    # + 1 Mamba block. vLLM WITHOUT a connector preempts p0 when it needs its 8th
+    # attention block (113 tokens) and can never re-admit it; p1 waits behind it (FCFS).
+    # In 300 steps (a 10-block pool finishes both in ~125) nothing finishes.
+    alone = rec["alone"]
+    assert alone["finished"] == [] and alone["preempted"] == ["p0"]
+    assert alone["status"] == {"p0": ["PREEMPTED", 0, 113],
+                               "p1": ["WAITING", 0, 64]}
+    assert alone["computed"] == {"p0": 112}
+    # With the connector: the same stall (which request ran first may differ with the
+    # store timing), nothing corrupted.
+    conn = rec["connector"]
+    assert conn["finished"] == [] and conn["state_mismatches"] == 0
+    assert all(s[0] != "RUNNING" for s in conn["status"].values())
 
 
 # ---------------------------------------------------------------- KV events

@@ -11,7 +11,13 @@ from connectors.keys import ObjectKey
 from connectors.memory import MemoryConnector
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape, PageShape, StateShape
-from kvplugin.integrations._hits import layout_of, load_pieces, tier_claim
+from kvplugin.integrations._hits import (
+    claim_dropped,
+    layout_of,
+    load_pieces,
+    tier_claim,
+    worth_reconciling,
+)
 from kvplugin.serde import Block
 
 BS = 16
@@ -78,3 +84,20 @@ def test_load_pieces_fetch_the_window_and_the_state_into_vllms_slots() -> None:
     assert [(p.group, p.block_ids, p.state) for p in pieces][-1] == (1, [31], True)
     assert pieces[-1].key == skeys.state_key("t", 1, hashes, 96)
     assert len(pieces) == 7
+
+
+def test_claims_vllm_drops_on_a_diverged_hit() -> None:
+    # (full attention, Mamba) hits; vLLM asks from the attention hit cut to 64.
+    assert claim_dropped((160, 0), 0, 128, 0)  # diverged, nothing claimed
+    assert claim_dropped((160, 0), 0, 128, 32)  # no further than the kept tail (160)
+    assert not claim_dropped((160, 0), 0, 128, 48)  # past the tail: vLLM takes it
+    assert not claim_dropped((160, 160), 0, 128, 0)  # not diverged: vLLM keeps 160
+    assert not claim_dropped((160, 192), 0, 128, 0)  # Mamba deeper: vLLM reconciled itself
+    assert claim_dropped((192, 64), 0, 192, 0)  # block-aligned attention hit, no claim
+
+
+def test_a_reconciled_claim_counts_past_its_own_tail() -> None:
+    assert worth_reconciling(0, 64, 16)
+    assert not worth_reconciling(0, 64, 0)
+    assert not worth_reconciling(80, 64, 16)  # vLLM keeps its 16-token tail instead
+    assert worth_reconciling(80, 64, 32)

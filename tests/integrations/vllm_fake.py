@@ -110,7 +110,12 @@ def kv_groups(layout: str) -> list[Any]:
 
 
 def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
-          layout: str = "full", events: bool = False) -> Any:
+          layout: str = "full", events: bool = False, connector: bool = True,
+          divergent: bool = True) -> Any:
+    """vLLM's Scheduler with the connector loaded through its factory (``connector``
+    False: no KV connector at all, vLLM alone; ``divergent`` False: the connector does
+    not take divergent local hybrid hits), the block hasher, the config and the
+    KVCacheConfig."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -141,7 +146,8 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
                         enable_prefix_caching=True,
                         mamba_cache_mode="align" if layout == "mamba" else "none")
     cache.kv_cache_layout = "NHD"
-    extra = {"config_file": config_file, "async_loads": async_loads}
+    extra = {"config_file": config_file, "async_loads": async_loads,
+             "divergent_hits": divergent}
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
             max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
@@ -150,7 +156,8 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVPluginConnector",
             kv_connector_module_path="kvplugin.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
+            kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+        if connector else None,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         if events else None)
     kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -229,7 +236,8 @@ class LoadRecord:
 
 
 class Runner:
-    """EngineCore + model runner + the connector's worker side."""
+    """EngineCore + model runner + the connector's worker side (``worker`` None: vLLM
+    without a KV connector)."""
 
     def __init__(self, scheduler: Any, worker: Any, num_blocks: int, layout: str) -> None:
         self.s = scheduler
@@ -242,13 +250,15 @@ class Runner:
             # vLLM 0.33's per-layer Mamba view: raw page bytes per block, states first.
             self.kv.update({n: torch.zeros(num_blocks, 1, 1, STATE_PAGE, dtype=torch.int8)
                             for n in SECOND})
-        worker.register_kv_caches(self.kv)
+        if worker is not None:
+            worker.register_kv_caches(self.kv)
         self.loads: list[LoadRecord] = []  # every load, with its verification
         self.pending: dict[str, Any] = {}  # async loads in flight: req_id -> spec
         self.invalid_total: set[int] = set()
         self.failed_total: set[str] = set()
         self.preempted: set[str] = set()
         self.saved_pieces: dict[int, int] = {}  # per group: chunks / states stored
+        self.computed: dict[str, int] = {}  # per request: tokens the forward computed
         self.states_checked = 0
         self.state_mismatches = 0
         self.steps = 0
@@ -334,19 +344,18 @@ class Runner:
                     self.kv[name][bid].reshape(-1)[:STATE_BYTES].view(torch.uint8)[:] = rows[li]
 
     def step(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         self.steps += 1
-        meta = so.kv_connector_metadata
+        for rid, n in so.num_scheduled_tokens.items():
+            self.computed[rid] = self.computed.get(rid, 0) + n
         self.preempted |= set(so.preempted_req_ids or ())
-        for bid in so.new_block_ids_to_zero or ():
-            self._fill(bid, 0.0)
-        for copy in so.kv_cache_block_copies or ():  # the scheduler's copy-on-write
-            for t in self.kv.values():
-                if t.dtype == torch.int8:
-                    t[copy.dst_block_id] = t[copy.src_block_id]
-                else:
-                    t[:, copy.dst_block_id] = t[:, copy.src_block_id]
+        if self.w is None:
+            self._device_ops(so)
+            self._forward(so)
+            return self._output(so, None)
+        meta = so.kv_connector_metadata
+        self._device_ops(so)
         self.w.bind_connector_metadata(meta)
         for spec in meta.loads:
             if self.before_load is not None:
@@ -374,6 +383,27 @@ class Runner:
         for rid in res.finished_recving:
             self.verify(self.pending.pop(rid), invalid, res.failed_recving)
         self.w.clear_connector_metadata()
+        return self._output(so, KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving, invalid_block_ids=invalid,
+            kv_cache_events=events))
+
+    def _device_ops(self, so: Any) -> None:
+        """What the model runner does to the KV cache before the forward: zero new blocks,
+        run the scheduler's copy-on-write."""
+        for bid in so.new_block_ids_to_zero or ():
+            self._fill(bid, 0.0)
+        for copy in so.kv_cache_block_copies or ():
+            for t in self.kv.values():
+                if t.dtype == torch.int8:
+                    t[copy.dst_block_id] = t[copy.src_block_id]
+                else:
+                    t[:, copy.dst_block_id] = t[:, copy.src_block_id]
+
+    def _output(self, so: Any, kv_output: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
         req_ids = list(so.num_scheduled_tokens)
         out: list[list[int]] = []
         for rid in req_ids:
@@ -383,9 +413,4 @@ class Runner:
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=out, logprobs=None, prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=res.finished_sending or None,
-                finished_recving=res.finished_recving or None,
-                failed_recving=res.failed_recving, invalid_block_ids=invalid,
-                kv_cache_events=events))
+            pooler_output=None, kv_connector_output=kv_output)

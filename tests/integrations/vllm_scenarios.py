@@ -80,7 +80,7 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
             "saved_chunks": runner.saved_chunks,
             "saved_pieces": {str(g): n for g, n in sorted(runner.saved_pieces.items())},
             "states_checked": runner.states_checked,
-            "state_mismatches": runner.state_mismatches}
+            "state_mismatches": runner.state_mismatches, "computed": dict(runner.computed)}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -137,6 +137,10 @@ SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
 }
 
 
+# Scenarios of vllm_hybrid.py: divergent local hybrid hits, the Mamba preemption stall.
+HYBRID = ("mamba_diverge", "mamba_diverge_exact", "mamba_preempt_alone")
+
+
 def workload_of(name: str) -> list[dict[str, Any]]:
     if name == "multiturn":
         return multiturn_workload()
@@ -163,6 +167,10 @@ class Capture:
 
 
 def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
+    if name in HYBRID:
+        import vllm_hybrid
+
+        return vllm_hybrid.SCENARIOS[name](workdir, name)
     if name in ("native", "native_swa", "native_mamba"):
         return native_scenario(workdir, name)
     if name == "mamba_tail":
@@ -224,16 +232,17 @@ def event_summary(batches: list[Any]) -> dict[str, Any]:
 
 
 def engine(workdir: str, config_file: str, num_blocks: int, async_loads: bool = False,
-           layout: str = "full", events: bool = False) -> tuple[Any, Runner]:
-    """vLLM's Scheduler (its connector built by vLLM's factory) and a runner with the
-    connector's worker side."""
+           layout: str = "full", events: bool = False, connector: bool = True,
+           divergent: bool = True) -> tuple[Any, Runner]:
+    """vLLM's Scheduler (its connector built by vLLM's factory; none when ``connector``
+    is False) and a runner with the connector's worker side."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvplugin.integrations.vllm import KVPluginConnector
 
     scheduler, hasher, vllm_config, kvc = build(workdir, config_file, num_blocks, async_loads,
-                                                layout, events)
-    worker = KVPluginConnector(vllm_config, KVConnectorRole.WORKER, kvc)
+                                                layout, events, connector, divergent)
+    worker = KVPluginConnector(vllm_config, KVConnectorRole.WORKER, kvc) if connector else None
     runner = Runner(scheduler, worker, num_blocks, layout)
     runner.hasher = hasher
     return scheduler, runner
@@ -329,29 +338,56 @@ async def native_load(config_file: str, tokens: list[int], tenant: str, layout: 
                 "loaded_tokens": outcome.loaded_tokens if outcome else 0, "equal": equal}
 
 
-async def native_store(config_file: str, tokens: list[int], tenant: str) -> int:
-    """The native async manager computes ``tokens`` (the same fake KV) and stores them."""
+def _native_forward(mgr: Any, rid: str, tokens: list[int], start: int, end: int,
+                    layout: str) -> None:
+    """The native engine's model step over ``[start, end)``, writing the vLLM fake's values:
+    every attention block it touches (whole pages: ``tokens`` is a whole number of blocks;
+    a window group's null blocks skipped) and, for Mamba, the state at ``end`` in the block
+    "align" mode keeps it in."""
+    table = mgr.core.get_block_ids(rid)
+    for g in (0, 1) if layout == "swa" else (0,):
+        for b in range(start // BS, -(end // -BS)):
+            if table[g][b]:
+                page = expected_pages(tokens, b * BS, 1, g).contiguous()
+                mgr.memory.copy_in(g, [table[g][b]], page.view(torch.uint8).numpy().tobytes())
+    if layout == "mamba":
+        bid = table[1][-(end // -MAMBA_BS) - 1]
+        mgr.memory.copy_in(1, [bid], state_value(tokens[:end]).numpy().tobytes())
+
+
+async def native_store(config_file: str, tokens: list[int], tenant: str, layout: str = "full"
+                       ) -> dict[str, Any]:
+    """The native async manager computes ``tokens`` step by step (the same fake KV and
+    states as vLLM's runner; Mamba steps end where the core wants a state) and stores what
+    its core hands over: every group's chunks, the boundary states, the partial tail."""
     from kvplugin.plugin import load_plugin
 
+    assert len(tokens) % BS == 0
     async with load_plugin(config_file) as plugin:
         mgr = plugin.manager
         req = mgr.new_request("n-store", tokens, tenant=tenant)
         adm = mgr.allocate(req, await mgr.lookup(req))
-        assert adm is not None and adm.num_new_tokens == len(tokens)
-        n = len(tokens) // BS
-        ids = mgr.core.get_block_ids(req.request_id)[0][:n]
-        pages = expected_pages(tokens, 0, n).contiguous()
-        mgr.memory.copy_in(0, ids, pages.view(torch.uint8).numpy().tobytes())
-        req.num_computed_tokens = len(tokens)
-        mgr.after_step([req])
+        assert adm is not None and adm.local_tokens == adm.external_tokens == 0
+        steps = 0
+        while True:
+            start = req.num_computed_tokens
+            end = start + adm.num_new_tokens
+            _native_forward(mgr, req.request_id, tokens, start, end, layout)
+            req.num_computed_tokens = end
+            mgr.after_step([req])
+            steps += 1
+            if end >= len(tokens):
+                break
+            adm = mgr.allocate(req)
+            assert adm is not None and adm.num_new_tokens > 0
         mgr.finish(req)
         await mgr.drain()
-        return int(mgr.stats().stores)
+        return {"steps": steps, "stores": int(mgr.stats().stores)}
 
 
 def native_scenario(workdir: str, name: str) -> dict[str, Any]:
-    """Same tier, same keys: vLLM stores and the native manager loads (every layout), and
-    the reverse (full attention)."""
+    """Same tier, same keys: vLLM stores and the native manager loads, and the reverse
+    (every layout)."""
     layout = {"native": "full", "native_swa": "swa", "native_mamba": "mamba"}[name]
     scen_dir = os.path.join(workdir, name)
     os.makedirs(scen_dir)
@@ -366,14 +402,16 @@ def native_scenario(workdir: str, name: str) -> dict[str, Any]:
     out: dict[str, Any] = {"scenario": name, "vllm_stored_chunks": stored["saved_chunks"],
                            "vllm_saved_pieces": stored["saved_pieces"],
                            "native_load": native, "other_tenant_load": other}
-    if layout == "full":
-        theirs = prompt(2, 96)
-        out["native_stores"] = asyncio.run(native_store(config_file, theirs, "acme"))
-        loaded = run_vllm(workdir, config_file, [
-            {"id": "c", "prompt": theirs + prompt(97, 10), "arrival": 0, "max_tokens": 2,
-             "salt": salt}])
-        out.update(vllm_loads=loaded["loads"], vllm_free_blocks=loaded["free_blocks"],
-                   num_blocks=loaded["num_blocks"])
+    theirs = prompt(2, 144 if layout == "mamba" else 96)
+    out["native_store"] = asyncio.run(native_store(config_file, theirs, "acme", layout))
+    loaded = run_vllm(workdir, config_file, [
+        {"id": "c", "prompt": theirs + prompt(97, 10), "arrival": 0, "max_tokens": 2,
+         "salt": salt}], layout)
+    out.update(vllm_loads=loaded["loads"], vllm_free_blocks=loaded["free_blocks"],
+               num_blocks=loaded["num_blocks"], vllm_finished=loaded["finished"],
+               vllm_computed=loaded["computed"], vllm_states_checked=loaded["states_checked"],
+               vllm_state_mismatches=loaded["state_mismatches"],
+               vllm_failed_loads=loaded["failed_loads"])
     return out
 
 
