@@ -227,7 +227,7 @@ def start(job: LoadJob | StoreJob, coro: Coroutine[Any, Any, None], name: str,
 
 
 async def run_load(job: LoadJob, connector: Connector, gate: IOGate, timeout: float,
-                   apply: Callable[[LoadJob, list[Block | None]], None],
+                   apply: Callable[[LoadJob, list[Block | None]], Awaitable[None]],
                    release: Callable[[LoadJob], None]) -> None:
     """Fetch under one deadline (queueing for the gate included); a slow tier is a miss.
     ``apply`` gets one block or ``None`` per key; ``release`` always runs last."""
@@ -245,7 +245,7 @@ async def run_load(job: LoadJob, connector: Connector, gate: IOGate, timeout: fl
             # connector. Nobody awaits this task to see it, so log it and load nothing.
             logger.exception("load for %s raised", job.request_id)
             blocks = [None] * len(job.keys)
-        apply(job, blocks)
+        await apply(job, blocks)
         job.ended = JobEnd.DONE if all(b is not None for b in blocks) else JobEnd.FAILED
     except asyncio.CancelledError:
         job.ended = JobEnd.CANCELLED

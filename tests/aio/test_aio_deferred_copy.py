@@ -1,7 +1,8 @@
 """Copy mode copies a store's chunks out of host memory in the store job's first step, not
 on the step path; a block handed out again before that is copied first, by the core's
 reuse hook. Either way the tiers get the bytes of hand-off time, the core hands out the
-blocks it would without offload, and nothing is left watching when the jobs end."""
+blocks it would without offload, and nothing is left watching when the jobs end. Both
+copies (out for stores, in for loads) take one chunk per loop callback."""
 
 from __future__ import annotations
 
@@ -167,5 +168,32 @@ async def test_a_job_copies_one_chunk_per_callback_and_the_hook_takes_the_rest()
         await mgr.drain()
         mgr.core.reset_prefix_cache()
         assert await _reload_and_check(mgr, model, "b") == 6
+        await mgr.drain()
+        _clean(mgr)
+
+
+@pytest.mark.asyncio
+async def test_a_load_copies_in_one_chunk_per_callback() -> None:
+    async with make_manager(num_blocks=32, store_mode=StoreMode.COPY, chunk_blocks=2) as mgr:
+        model = FakeModel(mgr)
+        a = mgr.new_request("a", PROMPT, tenant="acme")
+        await serve(mgr, model, a, outputs=2)
+        await mgr.drain()
+        mgr.core.reset_prefix_cache()
+        b = mgr.new_request("b", PROMPT, tenant="acme")
+        adm = mgr.allocate(b, await mgr.lookup(b))
+        assert adm is not None and adm.loading and adm.external_tokens == 24
+        seen = []
+        for _ in range(50):
+            await asyncio.sleep(0)
+            seen.append(mgr.stats().loaded_chunks)
+            if seen[-1] == 3:
+                break
+        # Each chunk in a callback of its own: the count goes up one at a time.
+        steps = sorted(set(seen))
+        assert steps[-3:] == [1, 2, 3] and all(seen.count(n) >= 1 for n in (1, 2))
+        await mgr.wait_load(b)
+        b.status = RequestStatus.FINISHED_STOPPED
+        mgr.finish(b)
         await mgr.drain()
         _clean(mgr)
