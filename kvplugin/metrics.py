@@ -105,6 +105,9 @@ METRICS: tuple[MetricDoc, ...] = (
          "Objects of store jobs that failed or were cancelled."),
     _doc("kvplugin_stores_deduplicated_total", "counter", "",
          "Objects already being stored by another request."),
+    _doc("kvplugin_store_copies_on_reuse_total", "counter", "",
+         "Store copy-outs done when a block was handed out again before its store job "
+         "copied it (on the allocation path instead of beside the next step)."),
     _doc("kvplugin_stored_bytes_total", "counter", "tier tenant",
          "KV bytes of finished stores, charged on every tier written through."),
     _doc("kvplugin_stored_states_total", "counter", "",
@@ -334,6 +337,7 @@ _PLAIN = {  # metric -> OffloadStats field
     "kvplugin_stores_shed_total": "stores_shed",
     "kvplugin_stores_failed_total": "stores_failed",
     "kvplugin_stores_deduplicated_total": "stores_deduplicated",
+    "kvplugin_store_copies_on_reuse_total": "copies_on_reuse",
     "kvplugin_stored_states_total": "stored_states",
     "kvplugin_loaded_states_total": "loaded_states",
 }

@@ -152,6 +152,7 @@ async def test_registry_equals_the_managers_counters() -> None:
                            ("kvplugin_stores_shed_total", "stores_shed"),
                            ("kvplugin_stores_failed_total", "stores_failed"),
                            ("kvplugin_stores_deduplicated_total", "stores_deduplicated"),
+                           ("kvplugin_store_copies_on_reuse_total", "copies_on_reuse"),
                            ("kvplugin_stored_states_total", "stored_states"),
                            ("kvplugin_loaded_states_total", "loaded_states")):
             assert value(v, name) == getattr(s, attr), name
