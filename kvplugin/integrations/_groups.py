@@ -15,11 +15,15 @@ torch and vLLM are imported lazily (by name), so this module loads without them.
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvplugin.aio.memory import GroupShape, PageShape, StateShape
+from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 
 __all__ = ["DTYPES", "GroupIO", "group_ios", "pages_in", "pages_out"]
 
@@ -104,17 +108,34 @@ def _state_rows(t: Any, layer_bytes: int) -> Any:
     return t.reshape(t.shape[0], -1).view(torch.uint8)[:, :layer_bytes]
 
 
-def pages_out(group: GroupIO, kv: dict[str, Any], block_ids: list[int]) -> Any:
-    """The pages of ``block_ids`` as one contiguous CPU tensor, ``(blocks, *dims)``."""
+def pages_out(group: GroupIO, kv: dict[str, Any], block_ids: list[int]) -> bytes | Sealed:
+    """The pages of ``block_ids``, ``(blocks, *dims)``, as one immutable buffer. Each
+    layer's blocks are gathered and copied once, straight into a payload-pool slot (from
+    a GPU tensor, that copy is the device-to-host one): no staging tensor, no fresh
+    allocation to fault in, and the memory tier keeps the sealed slot without copying."""
     torch = importlib.import_module("torch")
     index = torch.tensor(block_ids, dtype=torch.long)
     s = group.shape
-    if isinstance(s, StateShape):
-        rows = [_state_rows(kv[n], s.layer_bytes)[index].cpu() for n in group.layers]
-        return torch.stack(rows, dim=1).contiguous()
-    # (2, blocks, layers, slot, head, dim) -> (blocks, 2, layers, ...): one page per block.
-    pages = torch.stack([kv[n][:, index].cpu() for n in group.layers], dim=2)
-    return pages.transpose(0, 1).contiguous()
+    n = len(block_ids)
+
+    def write(out: Any) -> None:
+        dst = torch.from_numpy(out)  # the slot itself
+        if isinstance(s, StateShape):
+            rows = dst.view(n, s.num_layers, s.layer_bytes)
+            for li, name in enumerate(group.layers):
+                rows[:, li].copy_(_state_rows(kv[name], s.layer_bytes)[index])
+            return
+        # (2, blocks, slot, head, dim) per layer -> (blocks, 2, layer, ...): a page a block.
+        pages = dst.view(getattr(torch, s.dtype)).view(n, *s.dims)
+        for li, name in enumerate(group.layers):
+            pages[:, :, li].copy_(kv[name][:, index].transpose(0, 1))
+
+    nbytes = n * s.page_bytes
+    if nbytes < MIN_POOLED_BYTES:  # small: a bytes, as malloc's small bins are as fast
+        buf = np.empty(nbytes, dtype=np.uint8)
+        write(buf)
+        return buf.tobytes()
+    return default_pool().fill(nbytes, write)
 
 
 def pages_in(group: GroupIO, kv: dict[str, Any], block_ids: list[int], payload: Any,
@@ -122,7 +143,9 @@ def pages_in(group: GroupIO, kv: dict[str, Any], block_ids: list[int], payload: 
     """Copy pages ``skip ..`` of ``payload`` (whole pages of this group) into ``block_ids``."""
     torch = importlib.import_module("torch")
     s = group.shape
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    with warnings.catch_warnings():  # read only: torch warns about a read-only buffer
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8))
     index = torch.tensor(block_ids, dtype=torch.long)
     n = len(block_ids)
     if isinstance(s, StateShape):

@@ -19,7 +19,7 @@ import concurrent.futures
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from connectors.keys import ObjectKey
 from kvplugin.integrations import _events
@@ -27,6 +27,8 @@ from kvplugin.integrations._groups import pages_out
 from kvplugin.serde import Block
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from kvplugin.integrations._groups import GroupIO
     from kvplugin.integrations._hits import Piece
     from kvplugin.integrations._runtime import Runtime
@@ -153,12 +155,10 @@ class WorkerSide:
             self._w.saves.setdefault(spec.req_id, []).append(_Put(fut, len(items), events))
 
     def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
-        torch = importlib.import_module("torch")
         out = []
         for p in pieces:
             shape = self._groups[p.group].shape
-            pages = pages_out(self._groups[p.group], self._kv, p.block_ids)
-            payload = pages.view(torch.uint8).numpy().tobytes()
+            payload = pages_out(self._groups[p.group], self._kv, p.block_ids)
             if p.state:
                 meta = p.key.meta(token_start=0, token_end=p.first_token, dtype=shape.dtype,
                                   shape=(1, *shape.dims), boundary=p.first_token)
@@ -167,7 +167,7 @@ class WorkerSide:
                 end = p.first_token + n * shape.block_size
                 meta = p.key.meta(token_start=p.first_token, token_end=end,
                                   dtype=shape.dtype, shape=(n, *shape.dims))
-            out.append((p.key, Block(meta, payload)))
+            out.append((p.key, Block(meta, cast("Buffer", payload))))
         return out
 
     # ------------------------------------------------------------------ results

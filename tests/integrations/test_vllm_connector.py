@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 DEFAULT_PY = Path.home() / ".cache" / "kvplugin-vllm-reference" / "bin" / "python"
 ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multiturn", "events",
+       "pages",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
        "mamba_preempt_alone"]
@@ -385,6 +386,17 @@ def test_tier_stores_reach_vllms_kv_event_publisher(results: dict[str, Any]) -> 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
                     reason="vLLM is installed in this environment")
+def test_worker_page_copies_are_exact_and_big_pages_use_the_payload_pool(
+        results: dict[str, Any]) -> None:
+    rec = results["pages"]
+    # 3 pages of 1 KiB (small) and of 128 KiB (big): only the big ones go to pool slots.
+    assert rec["small"] == {"sealed": False, "nbytes": 3 * 2 * 2 * 16 * 2 * 4 * 2,
+                            "out_equal": True, "in_equal": True}
+    assert rec["big"] == {"sealed": True, "nbytes": 3 * 2 * 2 * 16 * 8 * 128 * 2,
+                          "out_equal": True, "in_equal": True}
+    assert rec["state"] == {"sealed": True, "nbytes": 3 * 2 * 40_000, "in_equal": True}
+
+
 def test_import_without_vllm_and_clear_error_on_build() -> None:
     import kvplugin.integrations.vllm as integ
 

@@ -166,6 +166,42 @@ class Capture:
         return None
 
 
+def pages_scenario() -> dict[str, Any]:
+    """The worker's page copies alone, on pages below and above the payload pool's
+    threshold: pages_out gives exactly the page bytes (sealed pool slots for big pages) and
+    pages_in puts them back into other blocks."""
+    from kvplugin.aio.memory import PageShape, StateShape
+    from kvplugin.buffers import Sealed
+    from kvplugin.integrations._groups import GroupIO, pages_in, pages_out
+
+    torch.manual_seed(0)
+    src_ids, dst_ids = [3, 7, 5], [1, 2, 4]
+    out: dict[str, Any] = {"scenario": "pages"}
+    for label, heads, head in (("small", 2, 4), ("big", 8, 128)):
+        g = GroupIO(0, PageShape(2, heads, head, "float16", BS), ("l0", "l1"))
+        kv = {n: torch.randn(2, 12, BS, heads, head, dtype=torch.float16) for n in g.layers}
+        payload = pages_out(g, kv, src_ids)
+        want = torch.stack([kv[n][:, src_ids] for n in g.layers], dim=2).transpose(0, 1)
+        back = {n: torch.zeros_like(t) for n, t in kv.items()}
+        pages_in(g, back, dst_ids, payload)
+        out[label] = {
+            "sealed": isinstance(payload, Sealed), "nbytes": memoryview(payload).nbytes,
+            "out_equal": bytes(memoryview(payload)) == want.contiguous().view(
+                torch.uint8).numpy().tobytes(),
+            "in_equal": all(torch.equal(back[n][:, dst_ids], kv[n][:, src_ids])
+                            for n in g.layers)}
+    g = GroupIO(1, StateShape(2, 40_000, BS), ("m0", "m1"))
+    kv = {n: torch.randint(0, 255, (12, 1, 1, 40_064), dtype=torch.uint8) for n in g.layers}
+    payload = pages_out(g, kv, src_ids)
+    back = {n: torch.zeros_like(t) for n, t in kv.items()}
+    pages_in(g, back, dst_ids, payload)
+    out["state"] = {
+        "sealed": isinstance(payload, Sealed), "nbytes": memoryview(payload).nbytes,
+        "in_equal": all(torch.equal(back[n][dst_ids, 0, 0, :40_000],
+                                    kv[n][src_ids, 0, 0, :40_000]) for n in g.layers)}
+    return out
+
+
 def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
     if name in HYBRID:
         import vllm_hybrid
@@ -175,6 +211,8 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
         return native_scenario(workdir, name)
     if name == "mamba_tail":
         return tail_scenario(workdir)
+    if name == "pages":
+        return pages_scenario()
     layout, tier, wl_name, async_loads, num_blocks = SCENARIOS[name]
     scen_dir = os.path.join(workdir, name)
     os.makedirs(scen_dir)
