@@ -33,7 +33,7 @@ import logging
 import random
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeVar
 
 import redis.asyncio as aioredis
@@ -44,38 +44,30 @@ from redis.backoff import NoBackoff
 from connectors.base import (
     BackendError,
     BackendUnavailable,
-    Capabilities,
     CircuitBreaker,
     CircuitOpen,
-    ConnectorError,
-    Encoded,
-    PutOutcome,
     StoragePermissionError,
-    StoreBase,
-    finish,
 )
 from connectors.redis_common import (
     DENIED,
     TRANSIENT,
     WRONG_TYPE,
+    RedisStoreBase,
     batches,
     denied_message,
     public_url,
     reply_count,
     reply_error,
-    reply_ok,
     reply_pong,
-    reply_set,
     reply_strlen,
     reply_value,
     secret_forms,
 )
-from connectors.resp import Reply, pack, pack_set, wire_class
+from connectors.resp import Reply, pack, wire_class
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from kvplugin.serde import EncodedBlock
 
 __all__ = ["RedisConnector", "RedisOptions"]
 
@@ -123,13 +115,13 @@ class RedisOptions:
     def __repr__(self) -> str:
         # Options get logged; the URL may carry a password.
         shown = ", ".join(
-            f"{name}={public_url(self.url) if name == 'url' else getattr(self, name)!r}"
-            for name in self.__dataclass_fields__
+            f"{f.name}={public_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self) if f.repr
         )
-        return f"RedisOptions({shown})"
+        return f"{type(self).__name__}({shown})"
 
 
-class RedisConnector(StoreBase):
+class RedisConnector(RedisStoreBase):
     """Objects as Redis string values under ``<prefix><storage id>``."""
 
     def __init__(
@@ -142,18 +134,9 @@ class RedisConnector(StoreBase):
         previous_secrets: Sequence[bytes] = (),
     ) -> None:
         opts = options or RedisOptions()
-        super().__init__(
-            name=name,
-            capabilities=Capabilities(
-                tier="remote", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
-            ),
-            secret=secret,
-            previous_secrets=previous_secrets,
-        )
+        super().__init__(opts, name=name, rng=rng, secret=secret,
+                         previous_secrets=previous_secrets, password=None)
         self.options = opts
-        self.url = public_url(opts.url)  # for messages: the password is never shown
-        self._prefix = opts.prefix.encode()
-        self._rng = rng or random.Random()  # jitter only; never the global random state
         self._breaker = CircuitBreaker(opts.breaker_threshold, opts.breaker_cooldown)
         self._pool = aioredis.BlockingConnectionPool.from_url(
             opts.url,
@@ -171,9 +154,6 @@ class RedisConnector(StoreBase):
     @property
     def breaker_state(self) -> str:
         return self._breaker.state
-
-    def redis_key(self, sid: str) -> bytes:
-        return self._prefix + sid.encode()
 
     # primitives -----------------------------------------------------------------------------
     # Every command goes through _call/_roundtrip: packed here, pipelined on one pooled
@@ -211,52 +191,9 @@ class RedisConnector(StoreBase):
                 out.append(b"")
         return out
 
-    async def _store(
-        self, items: list[tuple[str, Encoded]], *, overwrite: bool
-    ) -> list[PutOutcome]:
-        keys = [self.redis_key(sid) for sid, _ in items]
-        encs = [finish(enc) for _, enc in items]
-        written = await self._call("put", self._sets(keys, encs, nx=not overwrite), reply_set)
-        taken = [i for i, done in enumerate(written) if not done]
-        if taken:
-            redone = await self._reclaim([keys[i] for i in taken], [encs[i] for i in taken])
-            for i in redone:
-                written[taken[i]] = True
-        # Content-addressed: a string already under the key is the same object (a damaged
-        # one is caught, counted and deleted by the next get).
-        return [PutOutcome.WRITTEN if done else PutOutcome.EXISTS for done in written]
-
-    async def _reclaim(self, keys: list[bytes], encs: list[EncodedBlock]) -> list[int]:
-        """``SET NX`` found these keys taken: confirm (one cheap round trip) that each holds
-        a non-empty string, and overwrite the ones that do not (a wrong type, or an empty or
-        vanished value). Returns the positions written."""
-        lengths = await self._call("put", [[pack(b"STRLEN", k)] for k in keys], reply_strlen)
-        bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
-        wrong = sum(1 for length in lengths if length is WRONG_TYPE)
-        if wrong:
-            self._stats.corrupt_detected += wrong
-            logger.warning("%s put: replacing %d non-string value(s)", self.name, wrong)
-        if bad:
-            # A plain SET replaces a value of any type, atomically: no UNLINK needed.
-            plain = self._sets([keys[i] for i in bad], [encs[i] for i in bad], nx=False)
-            await self._call("put", plain, reply_ok)
-        return bad
-
-    def _sets(self, keys: list[bytes], encs: list[EncodedBlock], *, nx: bool) -> list[list[Buffer]]:
-        ttl = self.options.ttl_seconds
-        pairs = zip(keys, encs, strict=True)
-        return [pack_set(k, e.parts, e.nbytes, nx=nx, ttl=ttl) for k, e in pairs]
-
-    async def _drop_wrong_type(self, op: str, ids: list[str]) -> None:
-        """Non-string values under our keys: count them as corrupt and remove them (a failed
-        removal is counted and retried by the next call that finds them)."""
-        self._stats.corrupt_detected += len(ids)
-        logger.warning("%s %s: removing %d non-string value(s)", self.name, op, len(ids))
-        try:
-            await self._remove(ids)
-        except ConnectorError as exc:
-            self._stats.errors += 1
-            logger.warning("%s: could not remove non-string values: %s", self.name, exc)
+    async def _run(self, op: str, keys: list[bytes], commands: list[list[Buffer]],
+                   check: Callable[[Reply], T]) -> list[T]:
+        return await self._call(op, commands, check)
 
     async def _remove(self, ids: list[str]) -> int:
         command = [pack(b"UNLINK", *(self.redis_key(s) for s in ids))]
@@ -337,20 +274,3 @@ class RedisConnector(StoreBase):
         finally:
             if not settled:  # cancelled or cut by the deadline mid-call
                 self._breaker.release()
-
-    def _error(self, kind: type[ConnectorError], op: str, text: str) -> ConnectorError:
-        return kind(self._redact(f"{self.name} {op}: {text}"))
-
-    def _shown(self, cause: BaseException) -> BaseException | None:
-        """The cause to chain: none when its message shows a secret (tracebacks print it)."""
-        return cause if self._redact(str(cause)) == str(cause) else None
-
-    def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential backoff with "equal jitter": half fixed, half random."""
-        cap = min(self.options.backoff_cap, self.options.backoff_base * 2.0 ** (attempt - 1))
-        return cap / 2 + self._rng.uniform(0, cap / 2)

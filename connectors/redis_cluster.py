@@ -62,17 +62,12 @@ from redis.crc import key_slot
 from connectors.base import (
     BackendError,
     BackendUnavailable,
-    Capabilities,
     CircuitBreaker,
     CircuitOpen,
     Connector,
     ConnectorError,
-    Encoded,
-    PutOutcome,
     StoragePermissionError,
-    StoreBase,
     decode_all,
-    finish,
 )
 from connectors.redis import RedisConnector, RedisOptions
 from connectors.redis_cluster_options import (
@@ -85,26 +80,23 @@ from connectors.redis_common import (
     DENIED,
     TRANSIENT,
     WRONG_TYPE,
+    RedisStoreBase,
     Wrong,
+    batches,
     denied_message,
-    public_url,
     reply_count,
     reply_error,
-    reply_ok,
     reply_pong,
-    reply_set,
     reply_strlen,
     reply_value,
-    secret_forms,
 )
-from connectors.resp import ErrorReply, Reply, pack, pack_set, wire_class
+from connectors.resp import ErrorReply, Reply, pack, wire_class
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from connectors.base import Loaded
     from connectors.keys import ObjectKey
-    from kvplugin.serde import EncodedBlock
 
 __all__ = [
     "SCHEME",
@@ -207,7 +199,7 @@ class _Round:
     failures: int = 0
 
 
-class RedisClusterConnector(StoreBase):
+class RedisClusterConnector(RedisStoreBase):
     """Objects as Redis string values under ``<prefix><storage id>``, on a Redis Cluster."""
 
     def __init__(
@@ -220,19 +212,9 @@ class RedisClusterConnector(StoreBase):
         previous_secrets: Sequence[bytes] = (),
     ) -> None:
         opts = options or RedisClusterOptions()
-        super().__init__(
-            name=name,
-            capabilities=Capabilities(
-                tier="remote", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
-            ),
-            secret=secret,
-            previous_secrets=previous_secrets,
-        )
+        super().__init__(opts, name=name, rng=rng, secret=secret,
+                         previous_secrets=previous_secrets, password=opts.password)
         self.options = opts
-        self.url = public_url(opts.url)
-        self._prefix = opts.prefix.encode()
-        self._rng = rng or random.Random()  # jitter only; never the global random state
-        self._secrets = secret_forms(opts.password)
         # redis-py keeps the slot map; nothing connects before the first call.
         self._cluster = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in opts.nodes],
@@ -256,9 +238,6 @@ class RedisClusterConnector(StoreBase):
         self._cut: weakref.WeakKeyDictionary[asyncio.Task[Any], list[str]] = (
             weakref.WeakKeyDictionary()
         )
-
-    def redis_key(self, sid: str) -> bytes:
-        return self._prefix + sid.encode()
 
     def breaker_state(self, node: str) -> str:
         """The circuit breaker state of ``node`` (``host:port``)."""
@@ -323,53 +302,9 @@ class RedisClusterConnector(StoreBase):
             self._partial("get", failed)
         return decode_all(keys, raws, self._codec)
 
-    async def _store(
-        self, items: list[tuple[str, Encoded]], *, overwrite: bool
-    ) -> list[PutOutcome]:
-        keys = [self.redis_key(sid) for sid, _ in items]
-        encs = [finish(enc) for _, enc in items]
-        replies = await self._call(
-            "put", keys, self._sets(keys, encs, nx=not overwrite), reply_set
-        )
-        written = _all_or_raise(replies)
-        taken = [i for i, done in enumerate(written) if not done]
-        if taken:
-            redone = await self._reclaim([keys[i] for i in taken], [encs[i] for i in taken])
-            for i in redone:
-                written[taken[i]] = True
-        # Content-addressed: a string already under the key is the same object (a damaged
-        # one is caught, counted and deleted by the next get).
-        return [PutOutcome.WRITTEN if done else PutOutcome.EXISTS for done in written]
-
-    async def _reclaim(self, keys: list[bytes], encs: list[EncodedBlock]) -> list[int]:
-        """``SET NX`` found these keys taken: confirm that each holds a non-empty string and
-        overwrite the ones that do not (see :meth:`RedisConnector._reclaim`)."""
-        commands = [[pack(b"STRLEN", k)] for k in keys]
-        lengths = _all_or_raise(await self._call("put", keys, commands, reply_strlen))
-        bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
-        wrong = sum(1 for length in lengths if length is WRONG_TYPE)
-        if wrong:
-            self._stats.corrupt_detected += wrong
-            logger.warning("%s put: replacing %d non-string value(s)", self.name, wrong)
-        if bad:
-            bad_keys = [keys[i] for i in bad]
-            plain = self._sets(bad_keys, [encs[i] for i in bad], nx=False)
-            _all_or_raise(await self._call("put", bad_keys, plain, reply_ok))
-        return bad
-
-    def _sets(self, keys: list[bytes], encs: list[EncodedBlock], *, nx: bool) -> list[list[Buffer]]:
-        ttl = self.options.ttl_seconds
-        pairs = zip(keys, encs, strict=True)
-        return [pack_set(k, e.parts, e.nbytes, nx=nx, ttl=ttl) for k, e in pairs]
-
-    async def _drop_wrong_type(self, op: str, ids: list[str]) -> None:
-        self._stats.corrupt_detected += len(ids)
-        logger.warning("%s %s: removing %d non-string value(s)", self.name, op, len(ids))
-        try:
-            await self._remove(ids)
-        except ConnectorError as exc:
-            self._stats.errors += 1
-            logger.warning("%s: could not remove non-string values: %s", self.name, exc)
+    async def _run(self, op: str, keys: list[bytes], commands: list[list[Buffer]],
+                   check: Callable[[Reply], T]) -> list[T]:
+        return _all_or_raise(await self._call(op, keys, commands, check))
 
     async def _remove(self, ids: list[str]) -> int:
         # One UNLINK per key: a multi-key UNLINK would be cross-slot.
@@ -703,20 +638,6 @@ class RedisClusterConnector(StoreBase):
         self._stats.errors += 1
         logger.debug("%s %s: answering a node's keys as misses: %s", self.name, op, exc)
 
-    def _error(self, kind: type[ConnectorError], op: str, text: str) -> ConnectorError:
-        return kind(self._redact(f"{self.name} {op}: {text}"))
-
-    def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential backoff with "equal jitter": half fixed, half random."""
-        cap = min(self.options.backoff_cap, self.options.backoff_base * 2.0 ** (attempt - 1))
-        return cap / 2 + self._rng.uniform(0, cap / 2)
-
-
 # --- helpers ---------------------------------------------------------------------------------
 
 
@@ -738,6 +659,3 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()
 
-
-def batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -56,26 +56,14 @@ def _host_port(part: str, url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@dataclass(frozen=True, slots=True)
-class RedisClusterOptions:
-    """Cluster connection, batching and failure-handling settings (times in seconds).
-
-    The fields are :class:`~connectors.redis.RedisOptions`' (``max_connections`` is per
-    node) plus ``max_redirects``; ``url`` is a ``redis-cluster://`` URL."""
+@dataclass(frozen=True, slots=True, repr=False)  # RedisOptions' repr: no password shown
+class RedisClusterOptions(RedisOptions):
+    """Cluster connection, batching and failure-handling settings (times in seconds):
+    :class:`~connectors.redis.RedisOptions`' fields, checked the same way
+    (``max_connections`` is per node), plus ``max_redirects``; ``url`` is a
+    ``redis-cluster://`` URL."""
 
     url: str = f"{SCHEME}://127.0.0.1:7000"
-    prefix: str = "kvp:"
-    ttl_seconds: int | None = None
-    max_connections: int = 16
-    socket_timeout: float = 1.0
-    connect_timeout: float = 0.5
-    retries: int = 2
-    backoff_base: float = 0.01
-    backoff_cap: float = 0.25
-    breaker_threshold: int = 5
-    breaker_cooldown: float = 1.0
-    lookup_batch: int = 64
-    get_batch: int = 32
     max_redirects: int = 5
     username: str | None = field(init=False, repr=False, compare=False)
     password: str | None = field(init=False, repr=False, compare=False)
@@ -88,26 +76,12 @@ class RedisClusterOptions:
         object.__setattr__(self, "nodes", nodes)
         if type(self.max_redirects) is not int or self.max_redirects < 1:
             raise ValueError("max_redirects must be a positive int")
-        # Everything else is checked the way the single-node connector checks it.
-        RedisOptions(**{k: getattr(self, k) for k in _SHARED if k != "url"})
+        RedisOptions.__post_init__(self)  # (slots dataclasses cannot use a bare super())
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisClusterOptions:
         """Options for ``url`` (``redis-cluster://...``), the other fields as given."""
         return cls(url=url, **options)
-
-    def __repr__(self) -> str:
-        # Options get logged; the URL may carry a password.
-        shown = ", ".join(
-            f"{name}={public_url(self.url) if name == 'url' else getattr(self, name)!r}"
-            for name in _FIELDS
-        )
-        return f"RedisClusterOptions({shown})"
-
-
-_DERIVED = ("username", "password", "nodes")
-_FIELDS = [f for f in RedisClusterOptions.__dataclass_fields__ if f not in _DERIVED]
-_SHARED = [f for f in _FIELDS if f in RedisOptions.__dataclass_fields__]
 
 
 def is_cluster_url(url: str) -> bool:

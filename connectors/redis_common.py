@@ -1,23 +1,44 @@
-"""What the Redis and Redis Cluster connectors share: which errors are transient or a
-refusal, the checks of each command's reply, and how URLs and passwords are kept out of
-messages."""
+"""What the Redis and Redis Cluster connectors share: their base class (keys, stores with
+their take-over of damaged values, retries' backoff, error messages without passwords),
+which errors are transient or a refusal, the checks of each command's reply, and how URLs
+and passwords are kept out of messages."""
 
 from __future__ import annotations
 
 import enum
+import logging
+import random
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit, urlunsplit
 
 import redis.exceptions as rexc
 
-from connectors.base import BackendError, ConnectorError, StorageFull, StoragePermissionError
-from connectors.resp import ErrorReply, ProtocolError, Reply
+from connectors.base import (
+    BackendError,
+    Capabilities,
+    ConnectorError,
+    Encoded,
+    PutOutcome,
+    StorageFull,
+    StoragePermissionError,
+    StoreBase,
+    finish,
+)
+from connectors.resp import ErrorReply, ProtocolError, Reply, pack, pack_set
 
-__all__ = ["DENIED", "TRANSIENT", "WRONG_TYPE", "Wrong", "batches", "denied_message",
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from kvplugin.serde import EncodedBlock
+
+__all__ = ["DENIED", "TRANSIENT", "WRONG_TYPE", "RedisStoreBase", "Wrong", "batches",
+           "denied_message",
            "public_url", "raise_unexpected", "reply_count", "reply_error", "reply_ok",
            "reply_pong", "reply_set", "reply_strlen", "reply_value", "reply_wrong_type",
            "secret_forms"]
+
+T = TypeVar("T")
 
 # Errors worth another attempt: the connection broke or the server did not answer in time.
 # BusyLoadingError (a ConnectionError) is a restarting server loading its data set.
@@ -129,5 +150,120 @@ def secret_forms(password: object) -> list[str]:
     return sorted(forms, key=len, reverse=True)  # longest first: no partial replacements
 
 
-def batches(ids: Sequence[str], size: int) -> list[Sequence[str]]:
-    return [ids[i : i + size] for i in range(0, len(ids), size)]
+def batches(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+# --- the base class --------------------------------------------------------------------------
+
+
+class _Options(Protocol):
+    @property
+    def url(self) -> str: ...
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def ttl_seconds(self) -> int | None: ...
+    @property
+    def backoff_base(self) -> float: ...
+    @property
+    def backoff_cap(self) -> float: ...
+
+
+class RedisStoreBase(StoreBase):
+    """Objects as Redis string values under ``<prefix><storage id>``: what a standalone
+    server and a cluster store alike. A subclass sends commands (:meth:`_run`: every
+    command answered, or an error) and reads, looks up and removes in its own way."""
+
+    def __init__(self, opts: _Options, *, name: str, rng: random.Random | None,
+                 secret: bytes | None, previous_secrets: Sequence[bytes],
+                 password: object) -> None:
+        super().__init__(
+            name=name,
+            capabilities=Capabilities(
+                tier="remote", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
+            ),
+            secret=secret,
+            previous_secrets=previous_secrets,
+        )
+        self.url = public_url(opts.url)  # for messages: the password is never shown
+        self._prefix = opts.prefix.encode()
+        self._ttl = opts.ttl_seconds
+        self._backoff_base, self._backoff_cap = opts.backoff_base, opts.backoff_cap
+        self._rng = rng or random.Random()  # jitter only; never the global random state
+        self._secrets = secret_forms(password)
+        self._log = logging.getLogger(type(self).__module__)
+
+    def redis_key(self, sid: str) -> bytes:
+        return self._prefix + sid.encode()
+
+    async def _run(self, op: str, keys: list[bytes], commands: list[list[Buffer]],
+                   check: Callable[[Reply], T]) -> list[T]:
+        """One checked answer per command (``keys[i]`` is command i's key)."""
+        raise NotImplementedError
+
+    async def _store(
+        self, items: list[tuple[str, Encoded]], *, overwrite: bool
+    ) -> list[PutOutcome]:
+        keys = [self.redis_key(sid) for sid, _ in items]
+        encs = [finish(enc) for _, enc in items]
+        written = await self._run("put", keys, self._sets(keys, encs, nx=not overwrite),
+                                  reply_set)
+        taken = [i for i, done in enumerate(written) if not done]
+        if taken:
+            redone = await self._reclaim([keys[i] for i in taken], [encs[i] for i in taken])
+            for i in redone:
+                written[taken[i]] = True
+        # Content-addressed: a string already under the key is the same object (a damaged
+        # one is caught, counted and deleted by the next get).
+        return [PutOutcome.WRITTEN if done else PutOutcome.EXISTS for done in written]
+
+    async def _reclaim(self, keys: list[bytes], encs: list[EncodedBlock]) -> list[int]:
+        """``SET NX`` found these keys taken: confirm (one cheap round trip) that each holds
+        a non-empty string, and overwrite the ones that do not (a wrong type, or an empty or
+        vanished value). Returns the positions written."""
+        lengths = await self._run("put", keys, [[pack(b"STRLEN", k)] for k in keys],
+                                  reply_strlen)
+        bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
+        wrong = sum(1 for length in lengths if length is WRONG_TYPE)
+        if wrong:
+            self._stats.corrupt_detected += wrong
+            self._log.warning("%s put: replacing %d non-string value(s)", self.name, wrong)
+        if bad:
+            # A plain SET replaces a value of any type, atomically: no UNLINK needed.
+            bad_keys = [keys[i] for i in bad]
+            await self._run("put", bad_keys,
+                            self._sets(bad_keys, [encs[i] for i in bad], nx=False), reply_ok)
+        return bad
+
+    def _sets(self, keys: list[bytes], encs: list[EncodedBlock], *, nx: bool) -> list[list[Buffer]]:
+        pairs = zip(keys, encs, strict=True)
+        return [pack_set(k, e.parts, e.nbytes, nx=nx, ttl=self._ttl) for k, e in pairs]
+
+    async def _drop_wrong_type(self, op: str, ids: list[str]) -> None:
+        """Non-string values under our keys: count them as corrupt and remove them (a failed
+        removal is counted and retried by the next call that finds them)."""
+        self._stats.corrupt_detected += len(ids)
+        self._log.warning("%s %s: removing %d non-string value(s)", self.name, op, len(ids))
+        try:
+            await self._remove(ids)
+        except ConnectorError as exc:
+            self._stats.errors += 1
+            self._log.warning("%s: could not remove non-string values: %s", self.name, exc)
+
+    def _error(self, kind: type[ConnectorError], op: str, text: str) -> ConnectorError:
+        return kind(self._redact(f"{self.name} {op}: {text}"))
+
+    def _shown(self, cause: BaseException) -> BaseException | None:
+        """The cause to chain: none when its message shows a secret (tracebacks print it)."""
+        return cause if self._redact(str(cause)) == str(cause) else None
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with "equal jitter": half fixed, half random."""
+        cap = min(self._backoff_cap, self._backoff_base * 2.0 ** (attempt - 1))
+        return cap / 2 + self._rng.uniform(0, cap / 2)
