@@ -7,8 +7,13 @@ Import the fixture into a test module (``from redis_fixture import local_redis``
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,3 +53,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGIN_")}
     env.update(extra)
     return env
+
+
+def run_engine(config: Path, requests: str, *, timeout: float, **env: str) -> dict[str, Any]:
+    """``kvplugin run --config CONFIG --requests N --json`` in a fresh process (``env`` on
+    top of :func:`clean_env`); its summary, once checked clean: every request finished,
+    no KV mismatch, no cross-tenant hit, no leaked block."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvplugin.cli", "run", "--config", str(config),
+         "--requests", requests, "--json"],
+        capture_output=True, text=True, timeout=timeout, env=clean_env(**env),
+        cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["finished"] == int(requests) and out["failed"] == 0
+    assert out["kv_mismatches"] == 0 and out["cross_tenant_hits"] == 0
+    assert out["leaked_blocks"] == 0
+    return out

@@ -5,14 +5,11 @@ processes; and the tiered config runs against the same server."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import redis as redis_py
-from redis_fixture import clean_env, local_redis
+from redis_fixture import local_redis, run_engine
 
 from connectors.faults import LocalRedisServer
 
@@ -23,17 +20,8 @@ REQUESTS = "24"
 
 
 def run(config: str, url: str, **env: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvplugin.cli", "run", "--config", str(REPO / "configs" / config),
-         "--requests", REQUESTS, "--json"],
-        capture_output=True, text=True, timeout=60,
-        env=clean_env(KVPLUGIN_OFFLOAD__REMOTE_URL=url, **env))
-    assert proc.returncode == 0, proc.stderr
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["finished"] == int(REQUESTS) and out["failed"] == 0
-    assert out["kv_mismatches"] == 0 and out["cross_tenant_hits"] == 0
-    assert out["leaked_blocks"] == 0
-    return out
+    return run_engine(REPO / "configs" / config, REQUESTS, timeout=60,
+                      KVPLUGIN_OFFLOAD__REMOTE_URL=url, **env)
 
 
 def db_url(server: LocalRedisServer, db: int) -> str:

@@ -5,12 +5,10 @@ prefixes from the cluster, and other tenants never read them."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from redis_fixture import run_engine
 
 from connectors.cluster_testing import LocalRedisCluster
 
@@ -19,19 +17,8 @@ REQUESTS = "24"
 
 
 def run(url: str, **env: str) -> dict[str, Any]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGIN_")}
-    clean.update(KVPLUGIN_OFFLOAD__REMOTE_URL=url, **env)
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvplugin.cli", "run", "--config",
-         str(REPO / "configs" / "redis_cluster.yaml"), "--requests", REQUESTS, "--json"],
-        capture_output=True, text=True, timeout=120, env=clean, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["finished"] == int(REQUESTS) and out["failed"] == 0
-    assert out["kv_mismatches"] == 0 and out["cross_tenant_hits"] == 0
-    assert out["leaked_blocks"] == 0
-    return out
+    return run_engine(REPO / "configs" / "redis_cluster.yaml", REQUESTS, timeout=120,
+                      KVPLUGIN_OFFLOAD__REMOTE_URL=url, **env)
 
 
 def sizes(cluster: LocalRedisCluster) -> list[int]:
