@@ -25,7 +25,7 @@ import numpy as np
 from kvplugin.aio.memory import GroupShape, PageShape, StateShape
 from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 
-__all__ = ["DTYPES", "GroupIO", "group_ios", "pages_in", "pages_out"]
+__all__ = ["DTYPES", "GroupIO", "PageMap", "group_ios", "map_groups", "pages_in", "pages_out"]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "float8_e4m3fn",
           "float8_e5m2")
@@ -81,56 +81,161 @@ def group_ios(groups: Sequence[Any]) -> list[GroupIO]:
     return out
 
 
-def check_tensors(groups: Sequence[GroupIO], kv_caches: dict[str, Any]) -> dict[str, Any]:
-    """The tensors of every group's layers, their shapes checked against the pages."""
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive layers of a group that one strided view addresses: page layers
+    ``first .. first + count``. Attention: ``[block, K/V, layer, kernel block, slot, head,
+    dim]``; state: ``[block, layer, byte]``. Block-major layouts (and layer-major ones,
+    whose layers sit a constant stride apart) make a group one run: one gather per group."""
+
+    view: Any
+    first: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageMap:
+    """Where a group's pages sit in the tensors vLLM registered, read from the tensors'
+    own shapes and strides (any ``KVCacheLayout``, kernel blocks splitting a manager
+    block, groups overlaid in the same bytes)."""
+
+    group: GroupIO
+    runs: tuple[_Run, ...]
+    num_blocks: int
+    device: Any
+
+
+def map_groups(groups: Sequence[GroupIO], kv_caches: dict[str, Any]) -> list[PageMap]:
+    """Every group's :class:`PageMap`, or a ValueError naming the first layer whose tensor
+    kvplugin cannot map (and what it expected)."""
     missing = [n for g in groups for n in g.layers if n not in kv_caches]
     if missing:
-        raise ValueError(f"no KV tensor for layers {missing}")
-    for g in groups:
-        s = g.shape
-        for name in g.layers:
-            t = kv_caches[name]
-            if isinstance(s, StateShape):
-                if t.dim() < 2 or t[0].numel() * t.element_size() < s.layer_bytes:
-                    raise ValueError(f"layer {name}: state tensor {tuple(t.shape)} holds "
-                                     f"less than {s.layer_bytes} bytes per block")
-            elif (t.dim() != 5 or t.shape[0] != 2 or tuple(t.shape[2:]) !=
-                    (s.block_size, s.num_kv_heads, s.head_size)):
-                raise ValueError(f"layer {name}: KV tensor shape {tuple(t.shape)} is not "
-                                 f"[2, blocks, {s.block_size}, {s.num_kv_heads}, "
-                                 f"{s.head_size}]")
-    return {n: kv_caches[n] for g in groups for n in g.layers}
+        raise ValueError(f"KVPluginConnector: vLLM registered no KV tensor for layers "
+                         f"{missing}")
+    return [_map_group(g, [kv_caches[n] for n in g.layers]) for g in groups]
 
 
-def _state_rows(t: Any, layer_bytes: int) -> Any:
-    """A state layer's blocks as ``(num_blocks, layer_bytes)`` uint8 (a view)."""
+def _layer_view(group: GroupIO, name: str, t: Any) -> tuple[Any, tuple[int, ...], int]:
+    """One layer's tensor as (the tensor, its view's strides in elements without the layer
+    axis, manager blocks). vLLM registers a logical ``[B * r, H, N, C]`` view per layer (r
+    kernel blocks per manager block, C the K and V channels side by side; a Mamba layer
+    ``[B, 1, 1, bytes]``)."""
     torch = importlib.import_module("torch")
-    return t.reshape(t.shape[0], -1).view(torch.uint8)[:, :layer_bytes]
+    s = group.shape
+    if t.dim() != 4:
+        raise ValueError(f"KVPluginConnector: layer {name}: KV tensor {tuple(t.shape)} is not "
+                         f"vLLM's [blocks, heads, slots, channels] view")
+    st = t.stride()
+    if isinstance(s, StateShape):
+        if t.element_size() != 1:
+            t = t.view(torch.uint8) if st[3] == 1 else t
+        if (t.element_size() != 1 or t.shape[1] != 1 or t.shape[2] != 1
+                or t.shape[3] < s.layer_bytes):
+            raise ValueError(f"KVPluginConnector: layer {name}: state tensor "
+                             f"{tuple(t.shape)} {t.dtype} is not [blocks, 1, 1, >= "
+                             f"{s.layer_bytes} bytes]")
+        return t.view(torch.uint8), (t.stride(0), t.stride(3)), int(t.shape[0])
+    want = getattr(torch, s.dtype)
+    blocks, heads, slots, chans = (int(d) for d in t.shape)
+    if (t.dtype != want or heads != s.num_kv_heads or chans != 2 * s.head_size
+            or slots < 1 or s.block_size % slots or blocks % (s.block_size // slots)):
+        raise ValueError(f"KVPluginConnector: layer {name}: KV tensor {tuple(t.shape)} "
+                         f"{t.dtype} is not [blocks * r, {s.num_kv_heads}, "
+                         f"{s.block_size} / r, 2 * {s.head_size}] {want}")
+    r = s.block_size // slots
+    d = s.head_size
+    # [block, K/V, kernel block, slot, head, dim]: kernel blocks sit uniformly strided
+    # inside a manager block (vLLM's rule for splitting), K then V along C.
+    return t, (st[0] * r, st[3] * d, st[0], st[2], st[1], st[3]), blocks // r
 
 
-def pages_out(group: GroupIO, kv: dict[str, Any], block_ids: list[int]) -> bytes | Sealed:
-    """The pages of ``block_ids``, ``(blocks, *dims)``, as one immutable buffer. Each
-    layer's blocks are gathered and copied once, straight into a payload-pool slot (from
-    a GPU tensor, that copy is the device-to-host one): no staging tensor, no fresh
-    allocation to fault in, and the memory tier keeps the sealed slot without copying."""
+def _map_group(group: GroupIO, tensors: list[Any]) -> PageMap:
+    torch = importlib.import_module("torch")
+    s = group.shape
+    views = [_layer_view(group, n, t) for n, t in zip(group.layers, tensors, strict=True)]
+    counts = {v[2] for v in views}
+    if len(counts) != 1:
+        raise ValueError(f"KVPluginConnector: group {group.index}: its layers' tensors hold "
+                         f"different numbers of blocks {sorted(counts)}")
+    num_blocks = counts.pop()
+    if isinstance(s, StateShape):
+        size: tuple[int, ...] = (num_blocks, s.layer_bytes)
+    else:
+        r = s.block_size // int(tensors[0].shape[2])
+        size = (num_blocks, 2, r, s.block_size // r, s.num_kv_heads, s.head_size)
+    runs: list[_Run] = []
+    li = 0
+    while li < len(views):
+        base, strides, _ = views[li]
+        count, step = 1, 0
+        # Extend while the next layer is the same storage, with the same strides, one
+        # constant step further on (every layout vLLM allocates: one run per tensor).
+        while li + count < len(views):
+            nxt, nst, _ = views[li + count]
+            gap = nxt.storage_offset() - views[li + count - 1][0].storage_offset()
+            if (nxt.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+                    or nst != strides or nxt.dtype != base.dtype or gap <= 0
+                    or (step and gap != step)):
+                break
+            step, count = gap, count + 1
+        full: tuple[int, ...]
+        st: tuple[int, ...]
+        if isinstance(s, StateShape):
+            full, st = (size[0], count, size[1]), (strides[0], step or 1, strides[1])
+        else:
+            full = (size[0], size[1], count, *size[2:])
+            st = (strides[0], strides[1], step or 1, *strides[2:])
+        runs.append(_Run(torch.as_strided(base, full, st, base.storage_offset()), li, count))
+        li += count
+    return PageMap(group, tuple(runs), num_blocks, tensors[0].device)
+
+
+def _index(m: PageMap, block_ids: Sequence[int]) -> Any:
     torch = importlib.import_module("torch")
     index = torch.tensor(block_ids, dtype=torch.long)
-    s = group.shape
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= m.num_blocks):
+        raise ValueError(f"block ids {list(block_ids)} out of range for group "
+                         f"{m.group.index} ({m.num_blocks} blocks)")
+    return index.to(m.device)
+
+
+def _page_view(m: PageMap, flat: Any, n: int) -> Any:
+    """``flat`` (uint8, ``n`` whole pages) as the runs' axes, layers on axis 2 (attention)
+    or 1 (state)."""
+    torch = importlib.import_module("torch")
+    s = m.group.shape
+    if isinstance(s, StateShape):
+        return flat.view(n, s.num_layers, s.layer_bytes)
+    r = m.runs[0].view.shape[3]
+    return flat.view(getattr(torch, s.dtype)).view(
+        n, 2, s.num_layers, r, s.block_size // r, s.num_kv_heads, s.head_size)
+
+
+def _layers(m: PageMap, pages: Any, run: _Run) -> Any:
+    axis = 1 if m.group.is_state else 2
+    return pages.narrow(axis, run.first, run.count)
+
+
+def pages_out(m: PageMap, block_ids: Sequence[int]) -> bytes | Sealed:
+    """The pages of ``block_ids`` in kvplugin's layout-independent page format
+    (``(blocks, *dims)``) as one immutable buffer. One gather per run (a group is one run
+    in every layout vLLM allocates) writes straight into a payload-pool slot: from a GPU
+    the gather runs on the device and the one copy out is the device-to-host one."""
+    torch = importlib.import_module("torch")
+    index = _index(m, block_ids)
     n = len(block_ids)
 
     def write(out: Any) -> None:
-        dst = torch.from_numpy(out)  # the slot itself
-        if isinstance(s, StateShape):
-            rows = dst.view(n, s.num_layers, s.layer_bytes)
-            for li, name in enumerate(group.layers):
-                rows[:, li].copy_(_state_rows(kv[name], s.layer_bytes)[index])
-            return
-        # (2, blocks, slot, head, dim) per layer -> (blocks, 2, layer, ...): a page a block.
-        pages = dst.view(getattr(torch, s.dtype)).view(n, *s.dims)
-        for li, name in enumerate(group.layers):
-            pages[:, :, li].copy_(kv[name][:, index].transpose(0, 1))
+        pages = _page_view(m, torch.from_numpy(out), n)
+        for run in m.runs:
+            dst = _layers(m, pages, run)
+            if run.view.device.type == "cpu":
+                torch.index_select(run.view, 0, index, out=dst)
+            else:
+                dst.copy_(torch.index_select(run.view, 0, index))
 
-    nbytes = n * s.page_bytes
+    nbytes = n * m.group.shape.page_bytes
     if nbytes < MIN_POOLED_BYTES:  # small: a bytes, as malloc's small bins are as fast
         buf = np.empty(nbytes, dtype=np.uint8)
         write(buf)
@@ -138,24 +243,19 @@ def pages_out(group: GroupIO, kv: dict[str, Any], block_ids: list[int]) -> bytes
     return default_pool().fill(nbytes, write)
 
 
-def pages_in(group: GroupIO, kv: dict[str, Any], block_ids: list[int], payload: Any,
-             skip: int = 0) -> None:
-    """Copy pages ``skip ..`` of ``payload`` (whole pages of this group) into ``block_ids``."""
+def pages_in(m: PageMap, block_ids: Sequence[int], payload: Any, skip: int = 0) -> None:
+    """Copy pages ``skip ..`` of ``payload`` (whole pages of this group, kvplugin's page
+    format) into ``block_ids``: one scatter per run."""
     torch = importlib.import_module("torch")
-    s = group.shape
+    n = len(block_ids)
     with warnings.catch_warnings():  # read only: torch warns about a read-only buffer
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8))
-    index = torch.tensor(block_ids, dtype=torch.long)
-    n = len(block_ids)
-    if isinstance(s, StateShape):
-        pages = raw.reshape(-1, s.num_layers, s.layer_bytes)[skip:skip + n]
-        for li, name in enumerate(group.layers):
-            t = kv[name]
-            _state_rows(t, s.layer_bytes)[index] = pages[:, li].to(t.device)
-        return
-    dtype = getattr(torch, s.dtype)
-    pages = raw.view(dtype).reshape(-1, *s.dims)[skip:skip + n]
-    for li, name in enumerate(group.layers):
-        t = kv[name]
-        t[:, index] = pages[:, :, li].transpose(0, 1).to(t.device)
+    page = m.group.shape.page_bytes
+    if raw.numel() < (skip + n) * page:
+        raise ValueError(f"payload of {raw.numel()} bytes holds fewer than {skip + n} pages "
+                         f"of {page} bytes")
+    pages = _page_view(m, raw[skip * page:(skip + n) * page], n)
+    index = _index(m, block_ids)
+    for run in m.runs:
+        run.view.index_copy_(0, index, _layers(m, pages, run).to(run.view.device))

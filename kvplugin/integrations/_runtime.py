@@ -1,9 +1,10 @@
 """The engine-independent half of the vLLM connector: the kvplugin tiers of a deployment
 config, an event loop on its own thread to drive them, and the keys.
 
-vLLM builds one connector per role (the scheduler's and each worker's). Within one process
-they share one :class:`Runtime` per config file (reference counted), so a disk tier's
-directory lock is taken once and both roles see the same objects. Nothing here imports
+vLLM builds one connector per role (the scheduler's and each worker's), usually in
+different processes. Only workers open the tiers (the scheduler asks the worker,
+:mod:`._lookup`); workers of one process share one :class:`Runtime` per config file
+(reference counted), so a disk tier's directory lock is taken once. Nothing here imports
 vLLM or torch.
 """
 
@@ -24,7 +25,7 @@ from kvplugin.config import KVPluginConfig, load_config
 from kvplugin.engine.loop import LoopThread
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
 
-__all__ = ["Runtime", "Timeouts", "acquire", "keyspace_for", "release"]
+__all__ = ["Runtime", "Timeouts", "acquire", "keyspace_for", "release", "settings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,17 +35,29 @@ class Timeouts:
     store: float
 
 
+def _timeouts(config: KVPluginConfig, source: str) -> Timeouts:
+    if not config.offload.enabled:
+        raise ValueError(f"{source}: offload is disabled; the vLLM connector needs a tier")
+    oc = offload_config(config)
+    return Timeouts(oc.lookup_timeout, oc.load_timeout, oc.store_timeout)
+
+
+def settings(config_file: str) -> tuple[KVPluginConfig, Timeouts]:
+    """A deployment config and its timeouts, without opening any tier (the scheduler's
+    side: it looks up through the worker, :mod:`._lookup`)."""
+    path = os.path.abspath(config_file)
+    config = load_config(path)
+    return config, _timeouts(config, path)
+
+
 class Runtime:
     """One deployment's tiers and the loop thread every call to them runs on."""
 
     def __init__(self, config: KVPluginConfig, source: str) -> None:
         off = config.offload
-        if not off.enabled:
-            raise ValueError(f"{source}: offload is disabled; the vLLM connector needs a tier")
+        self.timeouts = _timeouts(config, source)
         self.config = config
         self.source = source
-        oc = offload_config(config)
-        self.timeouts = Timeouts(oc.lookup_timeout, oc.load_timeout, oc.store_timeout)
         self._tmp: str | None = None
         disk_root = off.disk_path
         if off.local_disk is not None and disk_root is None:

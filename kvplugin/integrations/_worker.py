@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any, cast
 from connectors.keys import ObjectKey
 from kvplugin.integrations import _events
 from kvplugin.integrations._groups import pages_out
+from kvplugin.integrations._stats import KVPluginStats
 from kvplugin.serde import Block
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from kvplugin.integrations._groups import GroupIO
+    from kvplugin.integrations._groups import GroupIO, PageMap
     from kvplugin.integrations._hits import Piece
     from kvplugin.integrations._runtime import Runtime
 
@@ -53,6 +54,7 @@ class _Put:
     future: concurrent.futures.Future[int]
     count: int
     events: list[_events.StoredObject]
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -63,19 +65,20 @@ class _WorkerState:
     load_errors: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)  # finished with a failure
     stored: list[_events.StoredObject] = field(default_factory=list)
+    stats: KVPluginStats = field(default_factory=KVPluginStats)
 
 
 class WorkerSide:
     """Mixed into the connector; expects ``_rt``, ``_groups`` and ``_copy_in``."""
 
-    _rt: Runtime
+    _rt: Runtime | None  # the tiers: on the worker's connector only
     _groups: list[GroupIO]
-    _kv: dict[str, Any]
+    _maps: list[PageMap]
     _w: _WorkerState
     _medium: str
 
     def _init_worker(self, medium: str) -> None:
-        self._kv = {}
+        self._maps = []
         self._w = _WorkerState()
         self._medium = medium
 
@@ -84,16 +87,23 @@ class WorkerSide:
 
         def _copy_in(self, piece: Piece, payload: Any) -> None: ...
 
+    @property
+    def _tiers(self) -> Runtime:
+        if self._rt is None:
+            raise RuntimeError("a worker call on the scheduler's KVPluginConnector")
+        return self._rt
+
     def _drain_saves(self) -> None:
         for puts in self._w.saves.values():
-            concurrent.futures.wait([p.future for p in puts], timeout=self._rt.timeouts.store)
+            concurrent.futures.wait([p.future for p in puts],
+                                    timeout=self._tiers.timeouts.store)
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start this step's loads; synchronous ones are in the tensors on return (the
         model reads them in this forward), async ones report through get_finished."""
         meta = self._get_connector_metadata()
-        timeout = self._rt.timeouts.load
+        timeout = self._tiers.timeouts.load
         for spec in meta.loads:
             fut: concurrent.futures.Future[list[Block | None]]
             if spec.broken:
@@ -101,7 +111,7 @@ class WorkerSide:
                 fut.set_result([None] * len(spec.pieces))
             else:
                 keys = [p.key for p in spec.pieces]
-                fut = self._rt.loop.submit(self._rt.connector.get(keys, timeout=timeout))
+                fut = self._tiers.loop.submit(self._tiers.connector.get(keys, timeout=timeout))
             if spec.is_async:
                 self._w.loads[spec.req_id] = _Pending(spec, fut)
             else:
@@ -113,26 +123,28 @@ class WorkerSide:
                      ) -> bool:
         """Copy a finished load in; False when an object is missing or bad (reported)."""
         try:
-            blocks: list[Block | None] = fut.result(self._rt.timeouts.load + 1.0)
+            blocks: list[Block | None] = fut.result(self._tiers.timeouts.load + 1.0)
         except Exception as e:
             logger.warning("kvplugin load for %s failed: %r", spec.req_id, e)
             blocks = [None] * len(spec.pieces)
-        if spec.per_request:
-            if any(b is None for b in blocks):
-                # Nothing is copied: vLLM starts the request over and recomputes it all.
-                self._w.failed_loads.add(spec.req_id)
-                return False
-            for piece, block in zip(spec.pieces, blocks, strict=True):
-                assert block is not None
-                self._copy_in(piece, block.payload)
-            return True
+        stats = self._w.stats
+        stats.add("objects_refused", sum(b is None for b in blocks))
+        if spec.per_request and any(b is None for b in blocks):
+            # Nothing is copied: vLLM starts the request over and recomputes it all.
+            self._w.failed_loads.add(spec.req_id)
+            stats.add("loads_failed")
+            return False
         for i, (piece, block) in enumerate(zip(spec.pieces, blocks, strict=True)):
             if block is None:
                 # vLLM recomputes from the first bad block: report every block from here.
                 for p in spec.pieces[i:]:
                     self._w.load_errors.update(b for b in p.block_ids if b)
+                stats.add("loads_failed")
                 return False
             self._copy_in(piece, block.payload)
+            stats.add("objects_loaded")
+            stats.add("bytes_loaded", memoryview(block.payload).nbytes)
+        stats.add("loads")
         return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -149,16 +161,18 @@ class WorkerSide:
         meta = self._get_connector_metadata()
         for spec in meta.saves:
             items = self._items_out(spec.pieces)
-            fut = self._rt.loop.submit(
-                self._rt.connector.put(items, timeout=self._rt.timeouts.store))
+            rt = self._tiers
+            fut = rt.loop.submit(rt.connector.put(items, timeout=rt.timeouts.store))
             events = [p.event for p in spec.pieces if p.event is not None]
-            self._w.saves.setdefault(spec.req_id, []).append(_Put(fut, len(items), events))
+            nbytes = sum(memoryview(b.payload).nbytes for _, b in items)
+            self._w.saves.setdefault(spec.req_id, []).append(
+                _Put(fut, len(items), events, nbytes))
 
     def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
         out = []
         for p in pieces:
             shape = self._groups[p.group].shape
-            payload = pages_out(self._groups[p.group], self._kv, p.block_ids)
+            payload = pages_out(self._maps[p.group], p.block_ids)
             if p.state:
                 meta = p.key.meta(token_start=0, token_end=p.first_token, dtype=shape.dtype,
                                   shape=(1, *shape.dims), boundary=p.first_token)
@@ -216,12 +230,26 @@ class WorkerSide:
             exc = None if p.future.cancelled() else p.future.exception()
             if p.future.cancelled() or exc is not None:
                 logger.warning("kvplugin store for %s failed: %r", rid, exc)
+                self._w.stats.add("stores_failed")
             elif p.future.result() >= p.count:
                 self._w.stored += p.events  # every object of the put is in the tier
+                self._w.stats.add("objects_stored", p.count)
+                self._w.stats.add("bytes_stored", p.nbytes)
+            else:
+                self._w.stats.add("stores_failed")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._w.load_errors = self._w.load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> KVPluginStats | None:
+        """This worker's counts since the last call (vLLM sums them over workers, logs
+        them and exports them to Prometheus: :mod:`._stats`)."""
+        stats = self._w.stats
+        if stats.is_empty():
+            return None
+        self._w.stats = KVPluginStats()
+        return stats
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         """``BlockStored`` of the objects whose puts completed since the last call."""

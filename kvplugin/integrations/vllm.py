@@ -48,17 +48,17 @@ from typing import Any
 
 from kvplugin.aio import plans
 from kvplugin.aio.reqstate import NO_HOLE
-from kvplugin.integrations import _events, _runtime
-from kvplugin.integrations._groups import GroupIO, check_tensors, group_ios, pages_in
+from kvplugin.integrations import _events, _lookup, _runtime
+from kvplugin.integrations._groups import GroupIO, group_ios, map_groups, pages_in
 from kvplugin.integrations._hits import (
     Piece,
     claim_dropped,
     layout_of,
     load_pieces,
     state_pieces,
-    tier_claim,
     worth_reconciling,
 )
+from kvplugin.integrations._stats import KVPluginPromMetrics, KVPluginStats
 from kvplugin.integrations._worker import WorkerSide
 
 __all__ = ["KVPluginConnector", "KVPluginConnectorMetadata", "LoadSpec", "Piece", "SaveSpec",
@@ -165,14 +165,27 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         # waiting for remote KVs), so every load is async.
         self._multi = len(self._groups) > 1
         self._async_loads = self._multi or bool(extra.get("async_loads", False))
-        self._rt = _runtime.acquire(config_file)
-        try:
-            self._keys = _runtime.keyspace_for(self._rt.config, shapes, hbs, block_size)
-            unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or hbs
-            self._layout = layout_of(shapes, self._keys.groups[0].chunk_blocks, unit)
-        except BaseException:
-            _runtime.release(self._rt)
-            raise
+        self._config, timeouts = _runtime.settings(config_file)
+        self._keys = _runtime.keyspace_for(self._config, shapes, hbs, block_size)
+        unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or hbs
+        self._layout = layout_of(shapes, self._keys.groups[0].chunk_blocks, unit)
+        # The worker owns the tiers and answers the scheduler's lookups (:mod:`._lookup`):
+        # vLLM runs the two roles in different processes, and a tier has one owner.
+        path = _lookup.socket_path(str(self._kv_transfer_config.engine_id),
+                                   int(getattr(vllm_config.parallel_config,
+                                               "data_parallel_rank", 0) or 0), config_file)
+        self._server: _lookup.LookupServer | None = None
+        self._lookups = _lookup.LookupClient(path, timeouts.lookup)
+        self._rt: _runtime.Runtime | None = None
+        if _is_worker(role):
+            self._rt = _runtime.acquire(config_file)
+            try:
+                if _tp_rank() == 0:
+                    self._server = _lookup.LookupServer(path, self._rt, self._keys,
+                                                        self._layout).start()
+            except BaseException:
+                _runtime.release(self._rt)
+                raise
         self._closed = False
         # Divergent local hybrid hits (see supports_divergent_local_hybrid_hits): on only
         # with a state group (vLLM ignores it otherwise); off for one scheduling step while
@@ -191,15 +204,19 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         self._event_counts: collections.Counter[Any] = collections.Counter()
         self._num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         # worker side
-        self._init_worker(_events.medium_of(self._rt.config.offload.tier_kinds()))
+        self._init_worker(_events.medium_of(self._config.offload.tier_kinds()))
 
     # ------------------------------------------------------------------ common
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._drain_saves()
-        _runtime.release(self._rt)
+        self._lookups.close()
+        if self._server is not None:
+            self._server.close()
+        if self._rt is not None:
+            self._drain_saves()
+            _runtime.release(self._rt)
 
     def _tenant(self, request: Any) -> str:
         params = request.kv_transfer_params or {}
@@ -264,14 +281,12 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         return ext, self._async_loads
 
     def _tier_claim(self, st: _ReqState, request: Any, local: int) -> plans.Claim | None:
-        """What the tiers add to a device hit of ``local`` tokens; None when the lookup
-        failed or timed out (a miss, never a stall)."""
-        timeout = self._rt.timeouts.lookup
+        """What the tiers add to a device hit of ``local`` tokens, asked of the worker
+        that owns them; None when the lookup failed or timed out (a miss, never a
+        stall)."""
         try:
-            return self._rt.loop.call(tier_claim(
-                self._rt.connector, self._keys, self._layout, st.tenant,
-                request.block_hashes, request.num_tokens, local, timeout),
-                timeout=timeout + 0.05)
+            return self._lookups.claim(_lookup.ClaimQuery(
+                st.tenant, request.block_hashes, request.num_tokens, local))
         except Exception as e:
             logger.warning("kvplugin lookup for %s failed: %r", request.request_id, e)
             return None
@@ -509,12 +524,39 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         return _events.StoredObject(group, hashes, parent, tuple(tokens), block_size, kind,
                                     window)
 
+    # ------------------------------------------------------------------ stats
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPluginStats:
+        return KVPluginStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVPluginPromMetrics:
+        return KVPluginPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
+
     # ------------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._kv = check_tensors(self._groups, kv_caches)
+        """Map every group's pages onto the tensors vLLM allocated (any KVCacheLayout);
+        a layer that cannot be mapped fails the engine's start with the layer named."""
+        self._maps = map_groups(self._groups, kv_caches)
 
     def _copy_in(self, piece: Piece, payload: Any) -> None:
-        pages_in(self._groups[piece.group], self._kv, piece.block_ids, payload, piece.skip)
+        pages_in(self._maps[piece.group], piece.block_ids, payload, piece.skip)
+
+
+def _is_worker(role: Any) -> bool:
+    return str(getattr(role, "name", role)).upper().endswith("WORKER")
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed setup)."""
+    try:
+        ps = importlib.import_module("vllm.distributed.parallel_state")
+        return int(ps.get_tensor_model_parallel_rank())
+    except Exception:  # not initialised: one worker
+        return 0
 
 
 def _spec_kind(spec: Any) -> tuple[str | None, int | None]:

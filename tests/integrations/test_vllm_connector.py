@@ -25,6 +25,15 @@ ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multit
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
        "mamba_preempt_alone"]
+# The same scenarios on the tensors vLLM allocates in every other KVCacheLayout (the
+# default run is LBHNC, vLLM's CPU attention layout), and with kernel blocks splitting each
+# block. Hybrid Mamba layouts skip LHBNC: there vLLM's own overlay of an attention group
+# (heads outside blocks) and a Mamba group (one page per block) aliases different block
+# ids, so vLLM alone corrupts states (docs/vllm.md).
+LAYOUTS = ["LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "LBNHC/split"]
+MATRIX = ["disk", "corrupt", "async", "swa", "native_swa", "mamba_multiturn", "native_mamba"]
+MATRIX_RUNS = [f"{s}@{lay}" for lay in LAYOUTS for s in MATRIX
+               if not (lay == "LHBNC" and "mamba" in s)]
 
 
 def _side_python() -> str:
@@ -40,10 +49,10 @@ def _side_python() -> str:
 
 def _scenarios() -> list[str]:
     if LocalRedisServer.available():
-        return ALL
+        return ALL + MATRIX_RUNS
     if os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
         pytest.fail("redis-server is not installed (KVPLUGIN_REQUIRE_REDIS=1)")
-    return [s for s in ALL if s != "redis"]
+    return [s for s in ALL + MATRIX_RUNS if s != "redis"]
 
 
 @pytest.fixture(scope="module")
@@ -389,12 +398,37 @@ def test_tier_stores_reach_vllms_kv_event_publisher(results: dict[str, Any]) -> 
 def test_worker_page_copies_are_exact_and_big_pages_use_the_payload_pool(
         results: dict[str, Any]) -> None:
     rec = results["pages"]
-    # 3 pages of 1 KiB (small) and of 128 KiB (big): only the big ones go to pool slots.
-    assert rec["small"] == {"sealed": False, "nbytes": 3 * 2 * 2 * 16 * 2 * 4 * 2,
-                            "out_equal": True, "in_equal": True}
-    assert rec["big"] == {"sealed": True, "nbytes": 3 * 2 * 2 * 16 * 8 * 128 * 2,
-                          "out_equal": True, "in_equal": True}
-    assert rec["state"] == {"sealed": True, "nbytes": 3 * 2 * 40_000, "in_equal": True}
+    # Every layout vLLM allocates (and kernel-block splitting where vLLM allows it): one
+    # gather per group (the layers form one strided run), exact page bytes out, and the
+    # bytes loaded into the next layout's tensors give the same logical KV.
+    cases = ["LBHNC", "LBHNC/split", "LBNHC", "LBNHC/split", "LHBNC", "BLHNC", "BLNHC",
+             "BHLNC"]
+    # 3 pages of 1.5 KiB (small) and of 192 KiB (big): only the big ones go to pool slots.
+    assert rec["small"] == {c: {"runs": 1, "sealed": False, "out_equal": True,
+                                "in_equal": True} for c in cases}
+    assert rec["big"] == {c: {"runs": 1, "sealed": True, "out_equal": True,
+                              "in_equal": True} for c in cases}
+    # A Mamba group overlaid with full attention (block-compact layouts), padded pages.
+    assert rec["state"] == {lay: {"sealed": True, "nbytes": 3 * 2 * 40_000, "in_equal": True}
+                            for lay in ("BLHNC", "BLNHC")}
+
+
+@pytest.mark.parametrize("run", MATRIX_RUNS)
+def test_every_kv_cache_layout_gives_the_same_run(results: dict[str, Any], run: str) -> None:
+    """The scenario on another physical layout loads, verifies, stores and frees exactly as
+    on LBHNC: the connector reads the layout from the tensors vLLM registered."""
+    name = run.split("@")[0]
+
+    def canon(rec: dict[str, Any]) -> dict[str, Any]:
+        # Async loads complete in wall-clock order: the step count and the order of the
+        # loads may differ between runs, never what was loaded, verified or computed.
+        out = {k: v for k, v in rec.items() if k not in ("scenario", "steps")}
+        for k in ("loads", "vllm_loads"):
+            if k in out:
+                out[k] = sorted(out[k], key=lambda d: json.dumps(d, sort_keys=True))
+        return out
+
+    assert canon(results[run]) == canon(results[name])
 
 
 def test_import_without_vllm_and_clear_error_on_build() -> None:

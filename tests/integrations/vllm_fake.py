@@ -40,7 +40,13 @@ LAYERS = ["layer0", "layer1"]  # the full-attention group's layers
 SECOND = ["layer2", "layer3"]  # the second group's layers
 STATE_SHAPES = ((3, HEADS * HEAD), (HEADS, HEAD, 8))  # the native engine's Mamba-2 shapes
 STATE_BYTES = sum(math.prod(s) for s in STATE_SHAPES) * 4  # float32
-STATE_PAGE = STATE_BYTES + 32  # vLLM pads a Mamba page; the state comes first
+# vLLM pads a hybrid model's Mamba page to the attention page (one page size: every
+# KVCacheLayout can express it); the state comes first.
+STATE_PAGE = 2 * BS * HEADS * HEAD * 4
+# The physical layout vLLM allocates (``KVCacheLayout`` name) and the kernel block size
+# (None: the manager's), from the environment, so one scenario runs on every layout.
+KV_LAYOUT = os.environ.get("KVPLUGIN_TEST_KV_LAYOUT", "LBHNC")
+KERNEL_BS = int(os.environ.get("KVPLUGIN_TEST_KERNEL_BLOCK", "0")) or None
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
@@ -126,6 +132,7 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
         VllmConfig,
     )
     from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.core.kv_cache_utils import (
         get_request_block_hasher,
         init_none_hash,
@@ -133,7 +140,6 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
         resolve_kv_cache_block_sizes,
     )
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.structured_output import StructuredOutputManager
 
     model_dir = os.path.join(workdir, "tiny_llama")
@@ -145,7 +151,7 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
     cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto",
                         enable_prefix_caching=True,
                         mamba_cache_mode="align" if layout == "mamba" else "none")
-    cache.kv_cache_layout = "NHD"
+    cache.kv_cache_layout = KV_LAYOUT
     extra = {"config_file": config_file, "async_loads": async_loads,
              "divergent_hits": divergent}
     vllm_config = VllmConfig(
@@ -160,8 +166,11 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
         if connector else None,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         if events else None)
-    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                        kv_cache_groups=kv_groups(layout))
+    # The KV cache's placement as the engine plans it (vLLM's own planner: per-layer
+    # KVCacheTensors with the layout's strides, groups overlaid in one allocation).
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    kvc = get_kv_cache_config_from_groups(vllm_config, kv_groups(layout), 1 << 30)
+    assert kvc.num_blocks == num_blocks
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kvc, vllm_config)
     kvc.hash_block_size = hash_bs
@@ -239,17 +248,22 @@ class Runner:
     """EngineCore + model runner + the connector's worker side (``worker`` None: vLLM
     without a KV connector)."""
 
-    def __init__(self, scheduler: Any, worker: Any, num_blocks: int, layout: str) -> None:
+    def __init__(self, scheduler: Any, worker: Any, kvc: Any, layout: str) -> None:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
         self.s = scheduler
         self.w = worker
         self.layout = layout
-        self.kv = {n: torch.zeros(2, num_blocks, BS, HEADS, HEAD) for n in LAYERS}
-        if layout == "swa":
-            self.kv.update({n: torch.zeros(2, num_blocks, BS, HEADS, HEAD) for n in SECOND})
-        elif layout == "mamba":
-            # vLLM 0.33's per-layer Mamba view: raw page bytes per block, states first.
-            self.kv.update({n: torch.zeros(num_blocks, 1, 1, STATE_PAGE, dtype=torch.int8)
-                            for n in SECOND})
+        # vLLM's own allocation: one backing buffer, a logical [B, H, N, C] view per layer
+        # (C: K then V), in the physical order of KV_LAYOUT; kernel blocks of KERNEL_BS
+        # tokens split each attention block when set.
+        kernel = None
+        if KERNEL_BS is not None:
+            kernel = [MAMBA_BS if layout == "mamba" and g else KERNEL_BS
+                      for g in range(len(kvc.kv_cache_groups))]
+        self.kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[KV_LAYOUT],
+                                    kernel)
         if worker is not None:
             worker.register_kv_caches(self.kv)
         self.loads: list[LoadRecord] = []  # every load, with its verification
@@ -272,22 +286,42 @@ class Runner:
     def layers(self, group: int) -> list[str]:
         return LAYERS if group == 0 else SECOND
 
+    def _blocks(self, name: str, bid: int) -> torch.Tensor:
+        """Layer ``name``'s manager block ``bid``: its kernel blocks (attention) or its
+        state page (Mamba), through vLLM's logical view."""
+        t = self.kv[name]
+        if t.dtype == torch.int8:
+            return t[bid]
+        r = BS // t.shape[2]
+        return t[bid * r:(bid + 1) * r]
+
+    def write_token(self, group: int, bid: int, slot: int, val: torch.Tensor) -> None:
+        """Token slot ``slot`` of block ``bid``: K and V side by side in C, as vLLM's
+        attention writes its cache."""
+        for li, name in enumerate(self.layers(group)):
+            t = self.kv[name]
+            n = t.shape[2]
+            row = t[bid * (BS // n) + slot // n, :, slot % n]
+            row[:, :HEAD] = val[0, li]
+            row[:, HEAD:] = val[1, li]
+
     def block(self, group: int, bid: int) -> torch.Tensor:
         """(slot, K/V, layer, head, dim) of one attention block."""
-        layers = self.layers(group)
-        return torch.stack([self.kv[n][:, bid] for n in layers], dim=1).permute(2, 0, 1, 3, 4)
+        per_layer = []
+        for name in self.layers(group):
+            kb = self._blocks(name, bid)  # [r, H, N, 2 * D]
+            rows = kb.permute(0, 2, 1, 3).reshape(BS, HEADS, 2, HEAD)
+            per_layer.append(rows.permute(0, 2, 1, 3))  # [slot, K/V, H, D]
+        return torch.stack(per_layer, dim=2)
 
     def state(self, bid: int) -> torch.Tensor:
         """(layer, bytes) of one Mamba block."""
-        return torch.stack([self.kv[n][bid].reshape(-1)[:STATE_BYTES].view(torch.uint8)
+        return torch.stack([self._blocks(n, bid).reshape(-1)[:STATE_BYTES].view(torch.uint8)
                             for n in SECOND])
 
     def _fill(self, bid: int, value: float) -> None:
-        for t in self.kv.values():
-            if t.dtype == torch.int8:
-                t[bid] = int(value)
-            else:
-                t[:, bid] = value
+        for name, t in self.kv.items():
+            self._blocks(name, bid)[...] = int(value) if t.dtype == torch.int8 else value
 
     def verify(self, spec: Any, invalid: set[int], failed: set[str]) -> None:
         req = self.s.requests.get(spec.req_id)
@@ -328,10 +362,7 @@ class Runner:
             attn = [0, 1] if self.layout == "swa" else [0]
             for p in range(start, end):
                 for g in attn:
-                    val = kv_value(toks[p], p, g)
-                    bid = table[g][p // BS]
-                    for li, name in enumerate(self.layers(g)):
-                        self.kv[name][:, bid, p % BS] = val[:, li]
+                    self.write_token(g, table[g][p // BS], p % BS, kv_value(toks[p], p, g))
             if self.layout == "mamba":
                 if start > 0:
                     bid = table[1][-(start // -MAMBA_BS) - 1]
@@ -341,7 +372,8 @@ class Runner:
                 bid = table[1][-(end // -MAMBA_BS) - 1]
                 rows = state_value(list(toks[:end]))
                 for li, name in enumerate(SECOND):
-                    self.kv[name][bid].reshape(-1)[:STATE_BYTES].view(torch.uint8)[:] = rows[li]
+                    self._blocks(name, bid).reshape(-1)[:STATE_BYTES].view(torch.uint8)[:] = (
+                        rows[li])
 
     def step(self, so: Any) -> Any:
         from vllm.v1.outputs import KVConnectorOutput
@@ -395,11 +427,9 @@ class Runner:
         for bid in so.new_block_ids_to_zero or ():
             self._fill(bid, 0.0)
         for copy in so.kv_cache_block_copies or ():
-            for t in self.kv.values():
-                if t.dtype == torch.int8:
-                    t[copy.dst_block_id] = t[copy.src_block_id]
-                else:
-                    t[:, copy.dst_block_id] = t[:, copy.src_block_id]
+            for name in self.kv:
+                self._blocks(name, copy.dst_block_id)[...] = self._blocks(
+                    name, copy.src_block_id)
 
     def _output(self, so: Any, kv_output: Any) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput

@@ -73,7 +73,7 @@ def _diverge_run(workdir: str, name: str, divergent: bool) -> dict[str, Any]:
             {"id": "a", "prompt": shared, "arrival": 0, "max_tokens": 2},
             {"id": "f", "prompt": prompt(10, filler), "arrival": 20, "max_tokens": 2}])
         if name == "mamba_diverge":
-            rt = conn._rt
+            rt = runner.w._rt  # the worker owns the tiers
             keys = conn._keys.chunk_keys("default", 0, _hashes(runner, shared), 0, 4)
             rt.loop.call(rt.connector.delete(keys, timeout=5))
         seen = _spy(scheduler, conn, "b")

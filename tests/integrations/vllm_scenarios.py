@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch
+import vllm_fake
 from vllm_fake import (
     BS,
     HEAD,
@@ -34,6 +35,8 @@ from vllm_fake import (
     state_value,
     write_config,
 )
+
+DEFAULT_LAYOUT = vllm_fake.KV_LAYOUT
 
 
 def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
@@ -166,39 +169,100 @@ class Capture:
         return None
 
 
+def _allocate(groups: list[Any], layout: str, num_blocks: int,
+              kernel: list[int] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """vLLM's own planning (``get_kv_cache_config_from_groups``) and allocation
+    (``allocate_kv_cache``) of ``groups`` in ``layout``: the tensors a worker registers."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    vc = VllmConfig(cache_config=CacheConfig(block_size=BS), device_config=DeviceConfig("cpu"))
+    vc.cache_config.kv_cache_layout = layout
+    vc.cache_config.num_gpu_blocks_override = num_blocks
+    kvc = get_kv_cache_config_from_groups(vc, groups, 1 << 30)
+    return kvc, allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout[layout], kernel)
+
+
+def _logical_page(t: torch.Tensor, bid: int, head: int) -> torch.Tensor:
+    """kvplugin's page of one layer, (K/V, slot, head, dim), read through vLLM's logical
+    [B * r, H, N, C] view (C: K then V) alone."""
+    n = t.shape[2]
+    r = BS // n
+    kb = t[bid * r:(bid + 1) * r]  # [r, H, N, C]
+    rows = kb.permute(0, 2, 1, 3).reshape(BS, t.shape[1], 2, head)
+    return rows.permute(2, 0, 1, 3)
+
+
 def pages_scenario() -> dict[str, Any]:
-    """The worker's page copies alone, on pages below and above the payload pool's
-    threshold: pages_out gives exactly the page bytes (sealed pool slots for big pages) and
-    pages_in puts them back into other blocks."""
-    from kvplugin.aio.memory import PageShape, StateShape
+    """The worker's page copies on the tensors vLLM allocates, for every KVCacheLayout
+    (with kernel blocks splitting a block where vLLM allows it) and an attention group
+    overlaid with a Mamba group in one allocation: pages_out gives kvplugin's layout-free
+    page bytes (sealed pool slots for big pages); pages_in of those bytes into another
+    layout's tensors gives equal logical contents."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from kvplugin.buffers import Sealed
-    from kvplugin.integrations._groups import GroupIO, pages_in, pages_out
+    from kvplugin.integrations._groups import group_ios, map_groups, pages_in, pages_out
 
     torch.manual_seed(0)
     src_ids, dst_ids = [3, 7, 5], [1, 2, 4]
     out: dict[str, Any] = {"scenario": "pages"}
     for label, heads, head in (("small", 2, 4), ("big", 8, 128)):
-        g = GroupIO(0, PageShape(2, heads, head, "float16", BS), ("l0", "l1"))
-        kv = {n: torch.randn(2, 12, BS, heads, head, dtype=torch.float16) for n in g.layers}
-        payload = pages_out(g, kv, src_ids)
-        want = torch.stack([kv[n][:, src_ids] for n in g.layers], dim=2).transpose(0, 1)
-        back = {n: torch.zeros_like(t) for n, t in kv.items()}
-        pages_in(g, back, dst_ids, payload)
-        out[label] = {
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=head,
+                                 dtype=torch.float16)
+        groups = [KVCacheGroupSpec(["l0", "l1", "l2"], spec)]
+        ios = group_ios(groups)
+        rec: dict[str, Any] = {}
+        for lay in KVCacheLayout:
+            for kernel in (None, [BS // 2]):
+                if kernel and (not lay.is_layer_compact or lay.name == "LHBNC"):
+                    continue  # vLLM itself refuses to split blocks there
+                _, kv = _allocate(groups, lay.name, 12, kernel)
+                for t in kv.values():
+                    t.copy_(torch.randn(t.shape, dtype=t.dtype))
+                m = map_groups(ios, kv)
+                payload = pages_out(m[0], src_ids)
+                want = torch.stack([torch.stack([_logical_page(kv[n], b, head)
+                                                 for n in ios[0].layers], dim=1)
+                                    for b in src_ids])
+                # Loaded into another layout (the next one), as a fresh engine would.
+                other = list(KVCacheLayout)[(list(KVCacheLayout).index(lay) + 1) % 6]
+                _, back = _allocate(groups, other.name, 12)
+                pages_in(map_groups(ios, back)[0], dst_ids, payload)
+                rec[lay.name + ("/split" if kernel else "")] = {
+                    "runs": len(m[0].runs), "sealed": isinstance(payload, Sealed),
+                    "out_equal": bytes(memoryview(payload)) == want.contiguous().view(
+                        torch.uint8).numpy().tobytes(),
+                    "in_equal": all(torch.equal(_logical_page(back[n], d, head),
+                                                _logical_page(kv[n], s, head))
+                                    for n in ios[0].layers
+                                    for s, d in zip(src_ids, dst_ids, strict=True))}
+        out[label] = rec
+    # Full attention overlaid with a Mamba group (the hybrid allocator: mixed page sizes
+    # need a block-compact layout), the Mamba page padded past its 40,000 state bytes.
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=4, dtype=torch.float32)
+    mamba = MambaSpec(block_size=MAMBA_BS, shapes=((10_000,),), dtypes=(torch.float32,),
+                      page_size_padded=40_064, mamba_cache_mode="align")
+    groups = [KVCacheGroupSpec(["a0", "a1"], full), KVCacheGroupSpec(["m0", "m1"], mamba)]
+    ios = group_ios(groups)
+    states: dict[str, Any] = {}
+    for lay in ("BLHNC", "BLNHC"):
+        _, kv = _allocate(groups, lay, 12)
+        for n in ("m0", "m1"):
+            kv[n].copy_(torch.randint(-128, 127, kv[n].shape, dtype=torch.int8))
+        m = map_groups(ios, kv)
+        payload = pages_out(m[1], src_ids)
+        _, back = _allocate(groups, "BLHNC" if lay != "BLHNC" else "BLNHC", 12)
+        pages_in(map_groups(ios, back)[1], dst_ids, payload)
+        states[lay] = {
             "sealed": isinstance(payload, Sealed), "nbytes": memoryview(payload).nbytes,
-            "out_equal": bytes(memoryview(payload)) == want.contiguous().view(
-                torch.uint8).numpy().tobytes(),
-            "in_equal": all(torch.equal(back[n][:, dst_ids], kv[n][:, src_ids])
-                            for n in g.layers)}
-    g = GroupIO(1, StateShape(2, 40_000, BS), ("m0", "m1"))
-    kv = {n: torch.randint(0, 255, (12, 1, 1, 40_064), dtype=torch.uint8) for n in g.layers}
-    payload = pages_out(g, kv, src_ids)
-    back = {n: torch.zeros_like(t) for n, t in kv.items()}
-    pages_in(g, back, dst_ids, payload)
-    out["state"] = {
-        "sealed": isinstance(payload, Sealed), "nbytes": memoryview(payload).nbytes,
-        "in_equal": all(torch.equal(back[n][dst_ids, 0, 0, :40_000],
-                                    kv[n][src_ids, 0, 0, :40_000]) for n in g.layers)}
+            "in_equal": all(torch.equal(back[n][d, 0, 0, :40_000], kv[n][s, 0, 0, :40_000])
+                            for n in ("m0", "m1")
+                            for s, d in zip(src_ids, dst_ids, strict=True))}
+    out["state"] = states
     return out
 
 
@@ -281,7 +345,7 @@ def engine(workdir: str, config_file: str, num_blocks: int, async_loads: bool = 
     scheduler, hasher, vllm_config, kvc = build(workdir, config_file, num_blocks, async_loads,
                                                 layout, events, connector, divergent)
     worker = KVPluginConnector(vllm_config, KVConnectorRole.WORKER, kvc) if connector else None
-    runner = Runner(scheduler, worker, num_blocks, layout)
+    runner = Runner(scheduler, worker, kvc, layout)
     runner.hasher = hasher
     return scheduler, runner
 
@@ -464,9 +528,19 @@ def main(argv: list[str]) -> int:
             server = LocalRedisServer(os.path.join(workdir, "redis-server"))
             server.start()
         try:
-            for name in argv:
+            for arg in argv:
+                # ``name@LAYOUT`` (``name@LAYOUT/split``: kernel blocks of half a block):
+                # the scenario on tensors vLLM allocates in that KVCacheLayout.
+                name, _, physical = arg.partition("@")
+                layout, _, split = physical.partition("/")
+                vllm_fake.KV_LAYOUT = layout or DEFAULT_LAYOUT
+                vllm_fake.KERNEL_BS = BS // 2 if split else None
                 url = server.url if server is not None else None
-                print(json.dumps(scenario(name, workdir, url)), flush=True)
+                scen_root = os.path.join(workdir, arg.replace("/", "_"))
+                os.makedirs(scen_root)
+                rec = scenario(name, scen_root, url)
+                rec["scenario"] = arg
+                print(json.dumps(rec), flush=True)
         finally:
             if server is not None:
                 server.stop()
