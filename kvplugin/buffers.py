@@ -146,26 +146,33 @@ class PayloadPool:
         with self._lock:
             slab.free.append(index)
             if len(slab.free) == slab.num_slots:
-                self._slabs[slab.slot_bytes].remove(slab)
                 if len(slab.mem) == _SLAB_BYTES:
+                    self._slabs[slab.slot_bytes].remove(slab)
                     self._spare.append(slab.mem)
-                else:
-                    self._mapped_bytes -= len(slab.mem)
+                # A payload bigger than a slab (a long chunk of a big model) keeps its free
+                # mapping for the next payload of its size: mapping afresh would fault it
+                # in again on every store.
                 self._shed_spares()
 
-    def _shed_spares(self) -> None:
-        keep = max(self.retain_bytes, self._reserved)
+    def _shed_spares(self, keep: int | None = None) -> None:
+        if keep is None:
+            keep = max(self.retain_bytes, self._reserved)
         while self._spare and self._mapped_bytes > keep:
             self._spare.pop()  # unmapped when garbage (no slot of it is referenced)
             self._mapped_bytes -= _SLAB_BYTES
+        for size in [k for k in self._slabs if k > _SLAB_BYTES]:
+            slabs = self._slabs[size]
+            for slab in [b for b in slabs if len(b.free) == b.num_slots]:
+                if self._mapped_bytes <= keep:
+                    return
+                slabs.remove(slab)
+                self._mapped_bytes -= len(slab.mem)
 
     def trim(self) -> int:
-        """Unmap every spare mapping beyond what :meth:`reserve` keeps; the bytes freed."""
+        """Unmap every free mapping beyond what :meth:`reserve` keeps; the bytes freed."""
         with self._lock:
             before = self._mapped_bytes
-            while self._spare and self._mapped_bytes > self._reserved:
-                self._spare.pop()
-                self._mapped_bytes -= _SLAB_BYTES
+            self._shed_spares(self._reserved)
             return before - self._mapped_bytes
 
 

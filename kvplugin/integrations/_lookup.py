@@ -120,6 +120,7 @@ class LookupServer:
         self._keys = keys
         self._layout = layout
         self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.StreamWriter] = set()
         self.served = 0
 
     async def claim(self, q: ClaimQuery) -> plans.Claim:
@@ -148,6 +149,7 @@ class LookupServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                      ) -> None:
+        self._conns.add(writer)
         try:
             while True:
                 try:
@@ -169,6 +171,7 @@ class LookupServer:
         except (ValueError, ConnectionError) as e:
             logger.warning("kvplugin lookup server: connection dropped: %r", e)
         finally:
+            self._conns.discard(writer)
             writer.close()
 
     def close(self) -> None:
@@ -177,11 +180,23 @@ class LookupServer:
                 del _LOCAL[self.path]
         server, self._server = self._server, None
         if server is not None and self._rt.loop.running:
-            server.close()
             with contextlib.suppress(Exception):
-                self._rt.loop.call(server.wait_closed(), timeout=5)
+                self._rt.loop.call(self._shutdown(server), timeout=5)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+    async def _shutdown(self, server: asyncio.AbstractServer) -> None:
+        """Stop listening and end every connection by EOF (its handler returns), so no
+        handler is left to be cancelled with the loop."""
+        server.close()
+        for writer in list(self._conns):
+            writer.close()
+        for _ in range(100):
+            if not self._conns:
+                break
+            await asyncio.sleep(0.01)
+        await server.wait_closed()
 
 
 class LookupClient:

@@ -160,12 +160,17 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         shapes = [g.shape for g in self._groups]
         block_size = vllm_config.cache_config.block_size
         hbs = getattr(kv_cache_config, "hash_block_size", None) or block_size
-        # Several groups: a failed load can only be reported per request, and only for an
-        # async load (vLLM 0.33 raises on block ids, and failed_recving applies to requests
-        # waiting for remote KVs), so every load is async.
-        self._multi = len(self._groups) > 1
+        # A failed load fails the whole request (vLLM recomputes it from 0) with several
+        # groups (vLLM 0.33 raises on block ids, unique per group only) and with a
+        # sliding-window group (recomputing from the first bad block would attend over
+        # the null blocks before the loaded window). That can only be reported for an
+        # async load (failed_recving applies to requests waiting for remote KVs), so such
+        # layouts load asynchronously.
+        self._multi = len(self._groups) > 1 or any(
+            getattr(g.shape, "window", 0) for g in self._groups)
         self._async_loads = self._multi or bool(extra.get("async_loads", False))
         self._config, timeouts = _runtime.settings(config_file)
+        _recompute_on_load_failure(self._kv_transfer_config, extra)
         self._keys = _runtime.keyspace_for(self._config, shapes, hbs, block_size)
         unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or hbs
         self._layout = layout_of(shapes, self._keys.groups[0].chunk_blocks, unit)
@@ -544,6 +549,23 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
 
     def _copy_in(self, piece: Piece, payload: Any) -> None:
         pages_in(self._maps[piece.group], piece.block_ids, payload, piece.skip)
+
+
+def _recompute_on_load_failure(kv_transfer_config: Any, extra: dict[str, Any]) -> None:
+    """kvplugin's tiers are a cache: a missing or damaged object is a miss that vLLM
+    recomputes, never a failed request. vLLM's default ``kv_load_failure_policy`` is
+    "fail" (meant for disaggregated prefill, where the KV exists nowhere else); the
+    Scheduler reads it right after building this connector, so it is set to "recompute"
+    here unless the deployment asks for "fail" explicitly (extra config
+    ``load_failure_policy: fail``)."""
+    wanted = str(extra.get("load_failure_policy", "recompute"))
+    if wanted not in ("recompute", "fail"):
+        raise ValueError(f"kv_connector_extra_config load_failure_policy must be "
+                         f"'recompute' or 'fail', got {wanted!r}")
+    if getattr(kv_transfer_config, "kv_load_failure_policy", wanted) != wanted:
+        logger.info("KVPluginConnector: kv_load_failure_policy %r -> %r (a tier miss is "
+                    "recomputed)", kv_transfer_config.kv_load_failure_policy, wanted)
+        kv_transfer_config.kv_load_failure_policy = wanted
 
 
 def _is_worker(role: Any) -> bool:

@@ -104,6 +104,27 @@ def test_a_spare_slab_is_carved_anew_for_another_slot_size() -> None:
     assert big.nbytes == _SLAB_BYTES + 1 and pool.mapped_bytes > 2 * _SLAB_BYTES
 
 
+def test_a_free_mapping_bigger_than_a_slab_is_reused_up_to_the_retained_bytes() -> None:
+    pool = PayloadPool(retain_bytes=4 * _SLAB_BYTES)
+    size = 2 * _SLAB_BYTES + 4096
+    first = _fill(pool, 1, size)
+    addr = _addr(first)
+    del first
+    gc.collect()
+    assert pool.mapped_bytes == size  # kept, free
+    again = _fill(pool, 2, size)
+    assert _addr(again) == addr and (again == 2).all()
+    assert pool.mapped_bytes == size
+    del again
+    gc.collect()
+    assert pool.trim() == size and pool.mapped_bytes == 0
+    small = PayloadPool(retain_bytes=0)
+    big = _fill(small, 3, size)
+    del big
+    gc.collect()
+    assert small.mapped_bytes == 0  # beyond what is retained: unmapped at once
+
+
 def test_reserve_maps_now_and_keeps_it_until_unreserved() -> None:
     pool = PayloadPool(retain_bytes=0)
     pool.reserve(3 * _SLAB_BYTES)

@@ -24,7 +24,7 @@ ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multit
        "pages",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
-       "mamba_preempt_alone"]
+       "mamba_preempt_alone", "refusals"]
 # The same scenarios on the tensors vLLM allocates in every other KVCacheLayout (the
 # default run is LBHNC, vLLM's CPU attention layout), and with kernel blocks splitting each
 # block. Hybrid Mamba layouts skip LHBNC: there vLLM's own overlay of an attention group
@@ -429,6 +429,26 @@ def test_every_kv_cache_layout_gives_the_same_run(results: dict[str, Any], run: 
         return out
 
     assert canon(results[run]) == canon(results[name])
+
+
+def test_what_cannot_be_served_fails_at_start_with_one_line(results: dict[str, Any]) -> None:
+    rec = results["refusals"]
+    kinds = "KVPluginConnector serves full-attention, sliding-window and Mamba 'align' groups"
+    assert rec["chunked_local"] == f"{kinds}; group 0 is ChunkedLocalAttentionSpec"
+    assert rec["mla"] == f"{kinds}; group 0 is MLAAttentionSpec"
+    assert rec["head_size_v"].startswith(
+        "KVPluginConnector: group 0: FullAttentionSpec with head_size 4, head_size_v 8")
+    assert rec["registered"] is None  # vLLM's [B, H, N, C] views map
+    assert rec["missing_layer"] == ("KVPluginConnector: vLLM registered no KV tensor for "
+                                    "layers ['layer1']")
+    # The [2, blocks, slots, heads, dim] tensors the connector once expected.
+    assert rec["old_layout"] == ("KVPluginConnector: layer layer0: KV tensor (2, 24, 16, 2, "
+                                 "4) is not vLLM's [blocks, heads, slots, channels] view")
+    assert rec["wrong_heads"] == ("KVPluginConnector: layer layer0: KV tensor (24, 3, 16, 8) "
+                                  "torch.float32 is not [blocks * r, 2, 16 / r, 2 * 4] "
+                                  "torch.float32")
+    assert "torch.float16 is not" in rec["wrong_dtype"]
+    assert all("\n" not in v for v in rec.values() if isinstance(v, str))
 
 
 def test_import_without_vllm_and_clear_error_on_build() -> None:

