@@ -66,9 +66,10 @@ class GroupConfig(_Strict):
     """One KV-cache group (``layout.groups[]``): layers that share a page shape and an
     attention family."""
 
-    kind: Literal["full", "sliding_window", "chunked_local", "mamba"] = Field(
-        description="the attention family: full attention, a sliding window, chunked local "
-                    "attention or a Mamba state")
+    kind: Literal["full", "mla", "sliding_window", "chunked_local", "mamba"] = Field(
+        description="the attention family: full attention, multi-head latent attention "
+                    "(MLA: one latent vector of model.head_size per token and layer, no "
+                    "separate V), a sliding window, chunked local attention or a Mamba state")
     block_size: int | None = Field(
         default=None, gt=0, description="tokens per block of this group (null: layout.block_size)")
     sliding_window: int | None = Field(

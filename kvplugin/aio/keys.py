@@ -163,9 +163,14 @@ def _fingerprint(shape: GroupShape, chunk_blocks: int) -> str:
         return layout_fingerprint(kind="mamba_state", dims=shape.dims,
                                   page_bytes=shape.page_bytes, block_size=shape.block_size,
                                   tensors=shape.shapes, dtypes=shape.dtypes)
+    if shape.kind == "local":
+        return layout_fingerprint(kind="chunked_local", dtype=shape.dtype, dims=shape.dims,
+                                  page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks,
+                                  attention_chunk_size=shape.local_chunk)
     if shape.kind == "window":
         return layout_fingerprint(kind="sliding_window", dtype=shape.dtype, dims=shape.dims,
                                   page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks,
                                   window_tokens=shape.window_tokens)
-    return layout_fingerprint(kind="full_attention", dtype=shape.dtype, dims=shape.dims,
+    kind = "mla_attention" if shape.kv_parts == 1 else "full_attention"
+    return layout_fingerprint(kind=kind, dtype=shape.dtype, dims=shape.dims,
                               page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks)

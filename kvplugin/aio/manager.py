@@ -20,15 +20,15 @@ Tenants: the device cache separates them through the request's cache salt (built
 tenant, so it enters the first block's hash as vLLM's ``cache_salt`` does); the tiers through
 the key namespace.
 
-Layouts: full attention, sliding window and Mamba "align" groups in any mix with at least one
-attention group. A hit is claimed only at a boundary every group can be restored at
-(:func:`kvplugin.aio.plans.reconcile`), including a deeper local attention hit whose Mamba
-state lags: only that state is loaded. The manager owns the core's per-step queues: it runs
-the copy-on-write copies in host memory right after each allocation, and ``after_step``
-drains the boundary-state offers (stored as checkpoints, see :mod:`kvplugin.aio.stores`),
-the zeroing list, and starts the core's next step (the Mamba same-step guard). So
-``after_step`` must follow every model step, before the next step's allocations, and the
-engine must not drain those queues itself.
+Layouts: full attention, MLA, sliding window, chunked local attention and Mamba "align"
+groups in any mix with at least one attention group. A hit is claimed only at a boundary
+every group can be restored at (:func:`kvplugin.aio.plans.reconcile`), including a deeper
+local attention hit whose Mamba state lags: only that state is loaded. The manager owns the
+core's per-step queues: it runs the copy-on-write copies in host memory right after each
+allocation, and ``after_step`` drains the boundary-state offers (stored as checkpoints, see
+:mod:`kvplugin.aio.stores`), the zeroing list, and starts the core's next step (the Mamba
+same-step guard). So ``after_step`` must follow every model step, before the next step's
+allocations, and the engine must not drain those queues itself.
 
 Offload off: ``AsyncKVManager(core, None, config)`` keeps the device prefix cache, the
 tenants (isolation, quotas, stats) and the engine protocol unchanged, and never touches a
@@ -157,7 +157,7 @@ class AsyncKVManager:
         self._hash_block_size = hbs
         # Per-group hits (a lagging Mamba state) are only reconciled for Mamba + full
         # attention layouts, as the core's get_computed_blocks_for_connector.
-        self._divergent = has_state and "window" not in self.layout.kinds
+        self._divergent = has_state and not self.layout.has_null_blocks
         chunk_bytes = max(s.page_bytes for s in shapes) * config.chunk_blocks
         if connector is not None and config.store_budget_bytes < chunk_bytes:
             raise ValueError(f"store_budget_bytes {config.store_budget_bytes} is below one "

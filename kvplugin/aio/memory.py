@@ -21,10 +21,12 @@ import numpy as np
 
 from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 from kvplugin.core.specs import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from kvplugin.serde import DTYPE_SIZES
@@ -36,7 +38,8 @@ Rows = np.ndarray[Any, np.dtype[np.uint8]]
 
 @dataclass(frozen=True, slots=True)
 class PageShape:
-    """The bytes of one block of one attention group: K and V for every layer.
+    """The bytes of one block of one attention group: K and V for every layer, or for
+    multi-head latent attention (MLA, ``kv_parts=1``) the one latent vector per token.
     ``window``: the sliding window (tokens), 0 for full attention."""
 
     num_layers: int
@@ -46,6 +49,8 @@ class PageShape:
     block_size: int
     window: int = 0
     extra_retained: int = 0
+    kv_parts: int = 2  # 2: K and V; 1: MLA's latent (no separate V)
+    local_chunk: int = 0  # chunked local attention: its attention chunk (tokens), else 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -58,34 +63,54 @@ class PageShape:
                 raise ValueError(f"PageShape.{name} must be an int >= 0, got {value!r}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_SIZES)}")
+        if self.local_chunk < 0 or (self.local_chunk and self.window):
+            raise ValueError("PageShape: a chunked local group has no sliding window, and "
+                             f"local_chunk must be >= 0, got {self.local_chunk!r}")
+        if self.kv_parts not in (1, 2):
+            raise ValueError(f"PageShape.kv_parts must be 1 (MLA) or 2, got {self.kv_parts!r}")
 
     @classmethod
     def of_group(cls, group: KVCacheGroupSpec) -> PageShape:
         """The page of an attention group (one layer per name in the group)."""
         spec = group.kv_cache_spec
+        if type(spec) is MLAAttentionSpec:  # decides like full attention, one latent
+            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
+                       spec.block_size, kv_parts=1)
         if type(spec) is FullAttentionSpec:
             return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
                        spec.block_size)
         if type(spec) is SlidingWindowSpec:
             return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
                        spec.block_size, spec.sliding_window, spec.extra_retained_tokens)
+        if type(spec) is ChunkedLocalAttentionSpec:  # Llama 4: attends within its chunk
+            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
+                       spec.block_size, local_chunk=spec.attention_chunk_size)
         raise ValueError(f"host memory for {spec.kind} groups is not supported; "
-                         "offload takes full-attention, sliding-window and Mamba groups")
+                         "offload takes full-attention, MLA, sliding-window, chunked local "
+                         "and Mamba groups")
 
     @property
     def kind(self) -> str:
         """The group kind in the offload plans (``kvplugin.aio.plans.KINDS``)."""
+        if self.local_chunk:
+            return "local"
         return "window" if self.window else "full"
 
     @property
     def window_tokens(self) -> int:
-        """Tokens the core keeps behind the next one (0: all of them)."""
+        """The group's token span in the plans (:class:`kvplugin.aio.plans.Layout`): a
+        window group keeps this many tokens behind the next one, a chunked local group
+        attends within chunks of this many; 0 for full attention."""
+        if self.local_chunk:
+            return self.local_chunk
         return self.window - 1 + self.extra_retained if self.window else 0
 
     @property
     def dims(self) -> tuple[int, ...]:
-        """The page as an array: (K/V, layer, token slot, head, head dim)."""
-        return (2, self.num_layers, self.block_size, self.num_kv_heads, self.head_size)
+        """The page as an array: (K/V, layer, token slot, head, head dim); MLA's K/V axis
+        has the latent alone."""
+        return (self.kv_parts, self.num_layers, self.block_size, self.num_kv_heads,
+                self.head_size)
 
     @property
     def page_bytes(self) -> int:

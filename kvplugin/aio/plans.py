@@ -10,6 +10,8 @@ Three kinds of group (:class:`Layout`):
   ``chunk_blocks`` blocks keyed by the chain hash of their last block;
 * ``"window"`` — sliding window: stored like full attention, but a hit at N needs only the
   blocks of the window before N (the core puts null blocks elsewhere, nothing to load);
+* ``"local"`` — chunked local attention (Llama 4): the same, the blocks needed being those
+  of N's own attention chunk, ``[N // C * C, N)``;
 * ``"state"`` — Mamba "align": a hit at N needs the recurrent state at exactly N, one
   object per boundary.
 
@@ -54,18 +56,20 @@ __all__ = [
     "verified_end",
 ]
 
-KINDS = ("full", "window", "state")
+KINDS = ("full", "window", "local", "state")
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Per group: block size, kind, and (window groups) the tokens kept behind the next
-    one; blocks per stored chunk; the token unit a state boundary is a multiple of."""
+    """Per group: block size, kind, and its token span (a window group: the tokens kept
+    behind the next one; a chunked local group: its attention chunk); blocks per stored
+    chunk; the token unit a state boundary is a multiple of."""
 
     block_sizes: tuple[int, ...]
     chunk_blocks: int
     kinds: tuple[str, ...] = ()  # () means every group is "full"
-    window_tokens: tuple[int, ...] = ()  # sliding_window - 1 + extra retained; 0 if none
+    window_tokens: tuple[int, ...] = ()  # window: sliding_window - 1 + extra retained;
+    # local: attention_chunk_size; 0 for the others
     state_unit: int = 0  # the core's hit alignment; needed when a group is a state
 
     def __post_init__(self) -> None:
@@ -83,12 +87,14 @@ class Layout:
         if any(k not in KINDS for k in self.kinds):
             raise ValueError(f"group kinds must be in {KINDS}, got {self.kinds!r}")
         if all(k == "state" for k in self.kinds):
-            raise ValueError("a layout needs at least one attention (full or window) group")
+            raise ValueError("a layout needs at least one attention (full, window or local) "
+                             "group")
         if "state" in self.kinds and self.state_unit < 1:
             raise ValueError("a layout with a state group needs a positive state_unit")
         for g, k in enumerate(self.kinds):
-            if (k == "window") != (self.window_tokens[g] > 0):
-                raise ValueError(f"group {g}: only window groups have (and need) a window")
+            if (k in ("window", "local")) != (self.window_tokens[g] > 0):
+                raise ValueError(f"group {g}: only window and local groups have (and need) "
+                                 f"a token span")
 
     @property
     def num_groups(self) -> int:
@@ -130,12 +136,20 @@ class Layout:
         return math.lcm(*(self.block_sizes[g] for g in self.chunked_groups))
 
     def skipped_blocks(self, group: int, num_tokens: int) -> int:
-        """Leading blocks of a window group the core leaves null at ``num_tokens`` computed
-        tokens (the core's ``get_num_skipped_tokens // block_size``); 0 for the others."""
-        keep = self.window_tokens[group]
-        if not keep:
+        """Leading blocks of a window or local group the core leaves null at
+        ``num_tokens`` computed tokens (the core's ``get_num_skipped_tokens //
+        block_size``); 0 for the others."""
+        span = self.window_tokens[group]
+        if not span:
             return 0
-        return max(0, num_tokens - keep) // self.block_sizes[group]
+        if self.kinds[group] == "local":
+            return num_tokens // span * span // self.block_sizes[group]
+        return max(0, num_tokens - span) // self.block_sizes[group]
+
+    @property
+    def has_null_blocks(self) -> bool:
+        """A window or local group: blocks before a resume point may be null."""
+        return any(k in ("window", "local") for k in self.kinds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from kvplugin.core.specs import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     resolve_kv_cache_block_sizes,
 )
@@ -45,6 +46,8 @@ def group_spec(g: GroupConfig, layout: LayoutConfig, model: ModelConfig) -> KVCa
         assert g.attention_chunk_size is not None
         return ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=head,
                                          dtype=dtype, attention_chunk_size=g.attention_chunk_size)
+    if g.kind == "mla":  # DeepSeek / Kimi: one latent per token, shared by the heads
+        return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=head, dtype=dtype)
     if g.kind == "mamba":
         return MambaSpec(
             block_size=bs,

@@ -283,8 +283,9 @@ class FakeModel:
         shape = self.memory.shapes[group]
         if isinstance(shape, StateShape):
             return rng.integers(0, 256, (shape.num_layers, 1, _VALUE), dtype=np.uint8)
-        width = shape.page_bytes // (2 * shape.num_layers * shape.block_size)
-        return rng.integers(0, 256, (2, shape.num_layers, 1, width), dtype=np.uint8)
+        width = shape.page_bytes // (shape.kv_parts * shape.num_layers * shape.block_size)
+        return rng.integers(0, 256, (shape.kv_parts, shape.num_layers, 1, width),
+                            dtype=np.uint8)
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, tokens: list[int], tenant: str, lora: str | None, *,
@@ -370,7 +371,7 @@ class FakeModel:
         """The page of ``block_id`` as (K/V, layer, token slot, bytes per slot): a view."""
         shape = self._shape(group)
         row: Pages = self.memory.pages(group, [block_id])[0]
-        return row.reshape(2, shape.num_layers, shape.block_size, -1)
+        return row.reshape(shape.kv_parts, shape.num_layers, shape.block_size, -1)
 
     def _pages_ok(self, group: int, got: Pages, values: Pages) -> np.ndarray[Any, Any]:
         """Per page of ``got`` (pages, K/V, layer, slot, bytes), whether it holds what
@@ -436,9 +437,13 @@ class FakeModel:
         shape = self._shape(g)
         bs = shape.block_size
         first, stop = start // bs, end // bs
-        # Token `end` attends to [end - window + 1, end]: blocks wholly before that may be
-        # null; every later one must hold its KV.
-        needed = (end - shape.window + 1) // bs if shape.window else 0
+        # Token `end` attends to [end - window + 1, end] (chunked local: to its own chunk,
+        # [end // C * C, end]): blocks wholly before that may be null; every later one must
+        # hold its KV.
+        if shape.local_chunk:
+            needed = end // shape.local_chunk * shape.local_chunk // bs
+        else:
+            needed = (end - shape.window + 1) // bs if shape.window else 0
         blocks = [b for b in range(first, stop) if ids[b] or b >= needed]
         live = [b for b in blocks if ids[b]]
         bad = len(blocks) - len(live)  # a null block inside the window: KV nobody wrote
@@ -452,7 +457,7 @@ class FakeModel:
                 yield
             part = live[i:i + per]
             got = self.memory.pages(g, [ids[b] for b in part])
-            got = got.reshape(len(part), 2, shape.num_layers, bs, -1)
+            got = got.reshape(len(part), shape.kv_parts, shape.num_layers, bs, -1)
             ok = self._pages_ok(g, got, values[[b - first for b in part]])
             for j in np.flatnonzero(~ok).tolist():
                 bad += 1

@@ -3,11 +3,14 @@
 A group's page is what the native manager stores for it (:mod:`kvplugin.aio.memory`), so
 the layout fingerprint, and with it every key, is the native one:
 
-* full attention / sliding window: one page per block, ``(K/V, layer, slot, head, dim)``
-  from the per-layer tensors ``[2, num_blocks, block_size, heads, head_size]``;
+* full attention / sliding window: one page per block, ``(K/V, layer, slot, head, dim)``;
+  MLA the same with the latent alone on the K/V axis;
 * Mamba "align": one page per state, ``(layer, bytes)``: each layer's state tensors packed
-  back to back, which is how vLLM 0.33 lays a Mamba layer's block out (its per-layer view is
-  ``[num_blocks, 1, 1, page_bytes]`` of raw bytes, the states first, then any padding).
+  back to back, as vLLM lays a Mamba layer's block out (the states first, then padding).
+
+The tensors are those vLLM registers (``allocate_kv_cache``): per layer a logical
+``[B * r, H, N, C]`` view (C: K then V; r kernel blocks per block) in any physical
+``KVCacheLayout``; :func:`map_groups` reads the layout from each tensor's strides.
 
 torch and vLLM are imported lazily (by name), so this module loads without them.
 """
@@ -51,18 +54,21 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _check_dense(gid: int, spec: Any) -> None:
+def _check_dense(gid: int, spec: Any, mla: bool = False) -> None:
     """An attention page kvplugin maps: one slot per KV head, K and V of ``head_size``
-    each side by side (no packed or quantized content)."""
+    each side by side (MLA: the latent alone), no packed or quantized content."""
     packed = {name: getattr(spec, name, None) for name in ("num_head_slots",
                                                           "state_content_bytes")}
+    if mla and getattr(spec, "cache_dtype_str", None) not in (None, "auto"):
+        packed["cache_dtype_str"] = spec.cache_dtype_str  # e.g. fp8_ds_mla: a packed page
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     hv = getattr(spec, "head_size_v", spec.head_size)
-    if hv != spec.head_size or any(v is not None for v in packed.values()) or quant != "NONE":
+    if (hv != (0 if mla else spec.head_size) or any(v is not None for v in packed.values())
+            or quant != "NONE"):
         raise ValueError(f"KVPluginConnector: group {gid}: {type(spec).__name__} with "
                          f"head_size {spec.head_size}, head_size_v {hv}, {packed}, "
                          f"kv_quant_mode {quant}: only dense pages with K and V of equal "
-                         f"size are served")
+                         f"size (or MLA's latent alone) are served")
 
 
 def group_ios(groups: Sequence[Any]) -> list[GroupIO]:
@@ -73,11 +79,20 @@ def group_ios(groups: Sequence[Any]) -> list[GroupIO]:
     for gid, group in enumerate(groups):
         spec, layers = group.kv_cache_spec, tuple(group.layer_names)
         shape: GroupShape
-        if type(spec) in (iface.FullAttentionSpec, iface.SlidingWindowSpec):
+        if type(spec) in (iface.FullAttentionSpec, iface.SlidingWindowSpec,
+                          iface.ChunkedLocalAttentionSpec):
             _check_dense(gid, spec)
-        if type(spec) is iface.FullAttentionSpec:
+        if type(spec) is iface.MLAAttentionSpec:
+            _check_dense(gid, spec, mla=True)
+            shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
+                              _dtype_name(spec.dtype), spec.block_size, kv_parts=1)
+        elif type(spec) is iface.FullAttentionSpec:
             shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
                               _dtype_name(spec.dtype), spec.block_size)
+        elif type(spec) is iface.ChunkedLocalAttentionSpec:  # Llama 4's local layers
+            shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
+                              _dtype_name(spec.dtype), spec.block_size,
+                              local_chunk=spec.attention_chunk_size)
         elif type(spec) is iface.SlidingWindowSpec:
             shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
                               _dtype_name(spec.dtype), spec.block_size, spec.sliding_window,
@@ -89,8 +104,8 @@ def group_ios(groups: Sequence[Any]) -> list[GroupIO]:
         else:
             mode = getattr(spec, "mamba_cache_mode", None)
             kind = type(spec).__name__ + (f" (mamba_cache_mode={mode!r})" if mode else "")
-            raise ValueError(f"KVPluginConnector serves full-attention, sliding-window and "
-                             f"Mamba 'align' groups; group {gid} is {kind}")
+            raise ValueError(f"KVPluginConnector serves full-attention, MLA, sliding-window, "
+                             f"chunked local and Mamba 'align' groups; group {gid} is {kind}")
         out.append(GroupIO(gid, shape, layers))
     if all(g.is_state for g in out):
         raise ValueError("KVPluginConnector needs at least one attention group")
@@ -155,15 +170,16 @@ def _layer_view(group: GroupIO, name: str, t: Any) -> tuple[Any, tuple[int, ...]
         return t.view(torch.uint8), (t.stride(0), t.stride(3)), int(t.shape[0])
     want = getattr(torch, s.dtype)
     blocks, heads, slots, chans = (int(d) for d in t.shape)
-    if (t.dtype != want or heads != s.num_kv_heads or chans != 2 * s.head_size
+    if (t.dtype != want or heads != s.num_kv_heads or chans != s.kv_parts * s.head_size
             or slots < 1 or s.block_size % slots or blocks % (s.block_size // slots)):
         raise ValueError(f"KVPluginConnector: layer {name}: KV tensor {tuple(t.shape)} "
                          f"{t.dtype} is not [blocks * r, {s.num_kv_heads}, "
-                         f"{s.block_size} / r, 2 * {s.head_size}] {want}")
+                         f"{s.block_size} / r, {s.kv_parts} * {s.head_size}] {want}")
     r = s.block_size // slots
     d = s.head_size
     # [block, K/V, kernel block, slot, head, dim]: kernel blocks sit uniformly strided
-    # inside a manager block (vLLM's rule for splitting), K then V along C.
+    # inside a manager block (vLLM's rule for splitting), K then V along C (MLA: the
+    # latent alone).
     return t, (st[0] * r, st[3] * d, st[0], st[2], st[1], st[3]), blocks // r
 
 
@@ -180,7 +196,7 @@ def _map_group(group: GroupIO, tensors: list[Any]) -> PageMap:
         size: tuple[int, ...] = (num_blocks, s.layer_bytes)
     else:
         r = s.block_size // int(tensors[0].shape[2])
-        size = (num_blocks, 2, r, s.block_size // r, s.num_kv_heads, s.head_size)
+        size = (num_blocks, s.kv_parts, r, s.block_size // r, s.num_kv_heads, s.head_size)
     runs: list[_Run] = []
     li = 0
     while li < len(views):
@@ -241,7 +257,7 @@ def _page_view(m: PageMap, flat: Any, n: int) -> Any:
         return flat.view(n, s.num_layers, s.layer_bytes)
     r = m.runs[0].view.shape[3]
     return flat.view(getattr(torch, s.dtype)).view(
-        n, 2, s.num_layers, r, s.block_size // r, s.num_kv_heads, s.head_size)
+        n, s.kv_parts, s.num_layers, r, s.block_size // r, s.num_kv_heads, s.head_size)
 
 
 def _layers(m: PageMap, pages: Any, run: _Run) -> Any:

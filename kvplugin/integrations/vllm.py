@@ -162,12 +162,12 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         hbs = getattr(kv_cache_config, "hash_block_size", None) or block_size
         # A failed load fails the whole request (vLLM recomputes it from 0) with several
         # groups (vLLM 0.33 raises on block ids, unique per group only) and with a
-        # sliding-window group (recomputing from the first bad block would attend over
-        # the null blocks before the loaded window). That can only be reported for an
-        # async load (failed_recving applies to requests waiting for remote KVs), so such
-        # layouts load asynchronously.
+        # sliding-window or chunked local group (recomputing from the first bad block
+        # would attend over the null blocks before the loaded window). That can only be
+        # reported for an async load (failed_recving applies to requests waiting for
+        # remote KVs), so such layouts load asynchronously.
         self._multi = len(self._groups) > 1 or any(
-            getattr(g.shape, "window", 0) for g in self._groups)
+            g.shape.kind in ("window", "local") for g in self._groups)
         self._async_loads = self._multi or bool(extra.get("async_loads", False))
         self._config, timeouts = _runtime.settings(config_file)
         _recompute_on_load_failure(self._kv_transfer_config, extra)

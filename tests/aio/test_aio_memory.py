@@ -36,3 +36,22 @@ def test_copy_out_checks_ids_like_every_other_access() -> None:
             mem.copy_out(0, bad)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="group"):
         mem.copy_out(1, [1])
+
+
+def test_an_mla_page_holds_the_latent_alone_under_its_own_fingerprint() -> None:
+    from kvplugin.aio.keys import KeySpace
+    from kvplugin.core.specs import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
+
+    mla = PageShape.of_group(KVCacheGroupSpec(["a", "b"], MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype="bfloat16")))
+    assert mla == PageShape(2, 1, 64, "bfloat16", 16, kv_parts=1)
+    assert mla.dims == (1, 2, 16, 1, 64) and mla.page_bytes == 2 * 16 * 64 * 2
+    assert mla.kind == "full"  # it decides like full attention
+    full = PageShape.of_group(KVCacheGroupSpec(["a", "b"], FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype="bfloat16")))
+    assert full.dims == (2, 2, 16, 1, 64)
+    # Never the same namespace: an MLA latent is no K/V page of any shape.
+    assert (KeySpace("m", [mla], 16).groups[0].layout
+            != KeySpace("m", [full], 16).groups[0].layout)
+    with pytest.raises(ValueError, match="kv_parts"):
+        PageShape(2, 1, 64, "bfloat16", 16, kv_parts=3)

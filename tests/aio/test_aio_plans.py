@@ -316,3 +316,18 @@ def test_resume_point_is_all_or_nothing_unless_every_group_is_full(
         assert got == plans.verified_end(layout, plan, ok, start, end)
     else:
         assert got == 0
+
+
+def test_a_chunked_local_group_loads_only_the_hits_own_attention_chunk() -> None:
+    # Full attention + chunked local attention (64-token chunks), 16-token blocks, one
+    # block per stored chunk: a hit at N needs the local blocks of [N // 64 * 64, N).
+    lay = plans.Layout((16, 16), 1, ("full", "local"), (0, 64))
+    assert [lay.skipped_blocks(1, n) for n in (0, 63, 64, 100, 128)] == [0, 0, 4, 4, 8]
+    assert lay.skipped_blocks(0, 100) == 0 and lay.has_null_blocks and not lay.all_full
+    got = plans.load_plan(lay, 0, 96)
+    assert [(c.group, c.chunk) for c in got if c.group == 0] == [(0, c) for c in range(6)]
+    assert [(c.group, c.chunk, c.first_block, c.num_blocks) for c in got if c.group == 1] == [
+        (1, 4, 4, 1), (1, 5, 5, 1)]
+    assert [c for c in plans.load_plan(lay, 0, 128) if c.group == 1] == []  # a boundary
+    with pytest.raises(ValueError, match="token span"):
+        plans.Layout((16,), 1, ("local",), (0,))

@@ -28,6 +28,7 @@ from kvplugin.core.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -162,8 +163,10 @@ def test_construction_rejects_what_cannot_be_offloaded() -> None:
     mamba = KVCacheGroupSpec(["m0"], MambaSpec(block_size=4, mamba_cache_mode="align"))
     AsyncKVManager(_core([full, swa]), conn, cfg)  # hybrid layouts are supported
     AsyncKVManager(_core([full, mamba]), conn, cfg)
-    with pytest.raises(ValueError, match="chunked_local_attention groups is not supported"):
-        AsyncKVManager(_core([full, local]), conn, cfg)
+    AsyncKVManager(_core([full, local]), conn, cfg)  # Llama 4's chunked local layers too
+    swa_mla = KVCacheGroupSpec(["l3"], SlidingWindowMLASpec(block_size=4, sliding_window=8))
+    with pytest.raises(ValueError, match="sliding_window_mla groups is not supported"):
+        AsyncKVManager(_core([full, swa_mla]), conn, cfg)
     with pytest.raises(ValueError, match="at least one attention"):
         AsyncKVManager(_core([mamba]), conn, cfg)
     with pytest.raises(ValueError, match="prefix caching"):

@@ -24,14 +24,16 @@ ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multit
        "pages",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
-       "mamba_preempt_alone", "refusals"]
+       "mamba_preempt_alone", "refusals", "mla", "mla_corrupt", "native_mla", "local",
+       "local_corrupt", "native_local"]
 # The same scenarios on the tensors vLLM allocates in every other KVCacheLayout (the
 # default run is LBHNC, vLLM's CPU attention layout), and with kernel blocks splitting each
 # block. Hybrid Mamba layouts skip LHBNC: there vLLM's own overlay of an attention group
 # (heads outside blocks) and a Mamba group (one page per block) aliases different block
 # ids, so vLLM alone corrupts states (docs/vllm.md).
 LAYOUTS = ["LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "LBNHC/split"]
-MATRIX = ["disk", "corrupt", "async", "swa", "native_swa", "mamba_multiturn", "native_mamba"]
+MATRIX = ["disk", "corrupt", "async", "swa", "native_swa", "mamba_multiturn", "native_mamba",
+          "mla", "local"]
 MATRIX_RUNS = [f"{s}@{lay}" for lay in LAYOUTS for s in MATRIX
                if not (lay == "LHBNC" and "mamba" in s)]
 
@@ -431,11 +433,70 @@ def test_every_kv_cache_layout_gives_the_same_run(results: dict[str, Any], run: 
     assert canon(results[run]) == canon(results[name])
 
 
+def test_mla_latent_pages_load_verified_and_a_corrupt_one_recomputes(
+        results: dict[str, Any]) -> None:
+    # MLA (one latent per token and layer, no V) on vLLM's MLAAttentionSpec tensors
+    # ([B, 1, N, head_size]): b's 80-token prefix comes back from disk, every block equal
+    # to the latent a computed; a damaged third object is an error from block 3 on.
+    rec = results["mla"]
+    _check_invariants(rec, EVICTING)
+    assert rec["loads"] == [{"req": "b", "first_token": 0, "blocks": 5, "async": False,
+                             "verified": 5, "mismatched": 0, "invalid": 0}]
+    assert rec["saved_chunks"] == 30
+    bad = results["mla_corrupt"]
+    _check_invariants(bad, EVICTING)
+    assert bad["loads"] == [{"req": "b", "first_token": 0, "blocks": 5, "async": False,
+                             "verified": 2, "mismatched": 0, "invalid": 3}]
+
+
+def test_mla_pages_are_shared_with_the_native_manager(results: dict[str, Any]) -> None:
+    rec = results["native_mla"]
+    assert rec["native_load"] == {"external_tokens": 80, "loaded_tokens": 80, "equal": True}
+    assert rec["other_tenant_load"] == {"external_tokens": 0, "loaded_tokens": 0,
+                                        "equal": False}
+    assert rec["native_store"] == {"steps": 1, "stores": 1}
+    assert rec["vllm_loads"] == [{"req": "c", "first_token": 0, "blocks": 6, "async": False,
+                                  "verified": 6, "mismatched": 0, "invalid": 0}]
+    assert rec["vllm_failed_loads"] == []
+
+
+def test_chunked_local_loads_only_the_hits_own_attention_chunk(
+        results: dict[str, Any]) -> None:
+    # Full attention + chunked local attention (32-token chunks, Llama 4 style): b's hit at
+    # 80 loads 5 full-attention blocks and only the local block of [64, 80); vLLM left the
+    # earlier local blocks null. A damaged object fails the whole request (a window-like
+    # group cannot resume from a bad block): vLLM recomputes b and stores it again.
+    rec = results["local"]
+    _check_invariants(rec, EVICTING)
+    assert rec["loads"] == [{"req": "b", "first_token": 0, "blocks": 6, "async": True,
+                             "verified": 6, "mismatched": 0, "invalid": 0, "pieces": 6,
+                             "failed": False, "groups": {"0": 5, "1": 1}}]
+    assert rec["saved_pieces"] == {"0": 30, "1": 30} and rec["computed"]["b"] == 22
+    bad = results["local_corrupt"]
+    _check_invariants(bad, EVICTING)
+    assert bad["failed_loads"] == ["b"] and bad["loads"][0]["failed"] is True
+    assert bad["computed"]["b"] == 102  # all of b's 100 prompt tokens, then 2 decodes
+    native = results["native_local"]
+    assert native["native_load"] == {"external_tokens": 80, "loaded_tokens": 80,
+                                     "equal": True}
+    assert native["other_tenant_load"] == {"external_tokens": 0, "loaded_tokens": 0,
+                                           "equal": False}
+    # c's hit at 96 is a local chunk boundary: no local block to load, 6 full ones.
+    assert native["vllm_loads"] == [{"req": "c", "first_token": 0, "blocks": 6,
+                                     "async": True, "verified": 6, "mismatched": 0,
+                                     "invalid": 0}]
+
+
 def test_what_cannot_be_served_fails_at_start_with_one_line(results: dict[str, Any]) -> None:
     rec = results["refusals"]
-    kinds = "KVPluginConnector serves full-attention, sliding-window and Mamba 'align' groups"
-    assert rec["chunked_local"] == f"{kinds}; group 0 is ChunkedLocalAttentionSpec"
-    assert rec["mla"] == f"{kinds}; group 0 is MLAAttentionSpec"
+    kinds = ("KVPluginConnector serves full-attention, MLA, sliding-window, chunked local "
+             "and Mamba 'align' groups")
+    assert rec["chunked_local"] is None  # served: tests below
+    assert rec["mamba_none"] == f"{kinds}; group 1 is MambaSpec (mamba_cache_mode='none')"
+    assert rec["mla"] is None  # served: tests below
+    assert rec["mla_packed"].startswith("KVPluginConnector: group 0: MLAAttentionSpec with "
+                                        "head_size 4, head_size_v 0")
+    assert "'cache_dtype_str': 'fp8_ds_mla'" in rec["mla_packed"]
     assert rec["head_size_v"].startswith(
         "KVPluginConnector: group 0: FullAttentionSpec with head_size 4, head_size_v 8")
     assert rec["registered"] is None  # vLLM's [B, H, N, C] views map

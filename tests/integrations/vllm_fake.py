@@ -52,14 +52,26 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float16",
          "bos_token_id": 1, "eos_token_id": 2}
-LAYOUTS = ("full", "swa", "mamba")
+LAYOUTS = ("full", "swa", "mamba", "mla", "local")
+LOCAL_CHUNK = 32  # chunked local attention's chunk (layout "local", Llama 4 style)
+
+
+def kv_parts(layout: str) -> int:
+    """K and V per token (2), or MLA's one latent (1)."""
+    return 1 if layout == "mla" else 2
+
+
+def heads_of(layout: str) -> int:
+    return 1 if layout == "mla" else HEADS
 
 
 def native_groups(layout: str) -> list[dict[str, Any]]:
     """The native config's groups for a layout (the same pages, so the same keys)."""
-    groups: list[dict[str, Any]] = [{"kind": "full"}]
+    groups: list[dict[str, Any]] = [{"kind": "mla" if layout == "mla" else "full"}]
     if layout == "swa":
         groups.append({"kind": "sliding_window", "sliding_window": WINDOW})
+    elif layout == "local":
+        groups.append({"kind": "chunked_local", "attention_chunk_size": LOCAL_CHUNK})
     elif layout == "mamba":
         groups.append({"kind": "mamba", "mode": "align", "block_size": MAMBA_BS})
     return groups
@@ -95,12 +107,17 @@ def write_config(workdir: str, *, disk: bool, remote_url: str | None,
 
 def kv_groups(layout: str) -> list[Any]:
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheGroupSpec,
         MambaSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
+    if layout == "mla":  # one latent of HEAD per token and layer
+        return [KVCacheGroupSpec(list(LAYERS), MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=HEAD, dtype=torch.float32))]
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
                              dtype=torch.float32)
     groups = [KVCacheGroupSpec(list(LAYERS), full)]
@@ -108,6 +125,10 @@ def kv_groups(layout: str) -> list[Any]:
         groups.append(KVCacheGroupSpec(list(SECOND), SlidingWindowSpec(
             block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
             sliding_window=WINDOW)))
+    elif layout == "local":
+        groups.append(KVCacheGroupSpec(list(SECOND), ChunkedLocalAttentionSpec(
+            block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+            attention_chunk_size=LOCAL_CHUNK)))
     elif layout == "mamba":
         groups.append(KVCacheGroupSpec(list(SECOND), MambaSpec(
             block_size=MAMBA_BS, shapes=STATE_SHAPES, dtypes=(torch.float32, torch.float32),
@@ -204,13 +225,22 @@ def state_value(tokens: list[int]) -> torch.Tensor:
     return torch.stack(layers).view(torch.uint8)
 
 
-def expected_pages(tokens: list[int], first: int, n: int, group: int = 0) -> torch.Tensor:
+def group_value(token: int, pos: int, group: int, layout: str) -> torch.Tensor:
+    """:func:`kv_value` as the layout's group holds it: MLA keeps the first head's K as
+    its latent (1, layer, 1, dim)."""
+    val = kv_value(token, pos, group)
+    return val[:1, :, :1] if layout == "mla" else val
+
+
+def expected_pages(tokens: list[int], first: int, n: int, group: int = 0,
+                   layout: str = "full") -> torch.Tensor:
     """kvplugin's page format of ``n`` blocks from token ``first``: (block, K/V, layer,
     slot, head, dim)."""
     pages = []
     for b in range(n):
         start = first + b * BS
-        slots = torch.stack([kv_value(tokens[p], p, group) for p in range(start, start + BS)])
+        slots = torch.stack([group_value(tokens[p], p, group, layout)
+                             for p in range(start, start + BS)])
         pages.append(slots.permute(1, 2, 0, 3, 4))
     return torch.stack(pages)
 
@@ -302,15 +332,16 @@ class Runner:
             t = self.kv[name]
             n = t.shape[2]
             row = t[bid * (BS // n) + slot // n, :, slot % n]
-            row[:, :HEAD] = val[0, li]
-            row[:, HEAD:] = val[1, li]
+            for part in range(val.shape[0]):
+                row[:, part * HEAD:(part + 1) * HEAD] = val[part, li]
 
     def block(self, group: int, bid: int) -> torch.Tensor:
         """(slot, K/V, layer, head, dim) of one attention block."""
         per_layer = []
+        parts, heads = kv_parts(self.layout), heads_of(self.layout)
         for name in self.layers(group):
             kb = self._blocks(name, bid)  # [r, H, N, 2 * D]
-            rows = kb.permute(0, 2, 1, 3).reshape(BS, HEADS, 2, HEAD)
+            rows = kb.permute(0, 2, 1, 3).reshape(BS, heads, parts, HEAD)
             per_layer.append(rows.permute(0, 2, 1, 3))  # [slot, K/V, H, D]
         return torch.stack(per_layer, dim=2)
 
@@ -342,7 +373,7 @@ class Runner:
                     ok = torch.equal(self.state(bid), state_value(tokens[:piece.first_token]))
                 else:
                     start = piece.first_token + j * BS
-                    want = torch.stack([kv_value(tokens[p], p, piece.group)
+                    want = torch.stack([group_value(tokens[p], p, piece.group, self.layout)
                                         for p in range(start, start + BS)])
                     ok = torch.equal(self.block(piece.group, bid), want)
                 rec.verified += ok
@@ -359,10 +390,11 @@ class Runner:
             toks = req.all_token_ids
             end = req.num_computed_tokens
             start = end - n
-            attn = [0, 1] if self.layout == "swa" else [0]
+            attn = [0, 1] if self.layout in ("swa", "local") else [0]
             for p in range(start, end):
                 for g in attn:
-                    self.write_token(g, table[g][p // BS], p % BS, kv_value(toks[p], p, g))
+                    self.write_token(g, table[g][p // BS], p % BS,
+                                     group_value(toks[p], p, g, self.layout))
             if self.layout == "mamba":
                 if start > 0:
                     bid = table[1][-(start // -MAMBA_BS) - 1]

@@ -137,6 +137,10 @@ SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
     "mamba_corrupt": ("mamba", "disk", "evict_mamba", False, 28),
     "mamba_multiturn": ("mamba", "disk", "multiturn", False, 20),
     "mamba_preempt": ("mamba", "disk", "preempt", False, 10),
+    "mla": ("mla", "disk", "evict", False, 24),
+    "mla_corrupt": ("mla", "disk", "evict", False, 24),
+    "local": ("local", "disk", "evict", False, 24),
+    "local_corrupt": ("local", "disk", "evict", False, 24),
 }
 
 
@@ -275,6 +279,7 @@ def refusals_scenario(workdir: str) -> dict[str, Any]:
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         MLAAttentionSpec,
     )
 
@@ -304,8 +309,15 @@ def refusals_scenario(workdir: str) -> dict[str, Any]:
     attempt("chunked_local", [KVCacheGroupSpec(["l0"], ChunkedLocalAttentionSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
         attention_chunk_size=64))])
+    attempt("mamba_none", [KVCacheGroupSpec(["l0"], FullAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)),
+        KVCacheGroupSpec(["m0"], MambaSpec(block_size=MAMBA_BS, shapes=((4,),),
+                                           dtypes=(torch.float32,), mamba_cache_mode="none"))])
     attempt("mla", [KVCacheGroupSpec(["l0"], MLAAttentionSpec(
         block_size=BS, num_kv_heads=1, head_size=HEAD, dtype=torch.float32))])
+    attempt("mla_packed", [KVCacheGroupSpec(["l0"], MLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=HEAD, dtype=torch.float32,
+        cache_dtype_str="fp8_ds_mla"))])
     attempt("head_size_v", [KVCacheGroupSpec(["l0"], FullAttentionSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=HEAD, head_size_v=2 * HEAD,
         dtype=torch.float32))])
@@ -325,7 +337,7 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
         import vllm_hybrid
 
         return vllm_hybrid.SCENARIOS[name](workdir, name)
-    if name in ("native", "native_swa", "native_mamba"):
+    if name in ("native", "native_swa", "native_mamba", "native_mla", "native_local"):
         return native_scenario(workdir, name)
     if name == "mamba_tail":
         return tail_scenario(workdir)
@@ -476,9 +488,9 @@ async def native_load(config_file: str, tokens: list[int], tenant: str, layout: 
         equal = n > 0
         if n:
             got = _group_rows(mgr, 0, table[0][:n]).view(torch.float32)
-            equal = torch.equal(got.reshape(n, 2, len(LAYERS), BS, HEADS, HEAD),
-                                expected_pages(tokens, 0, n))
-        if n and layout == "swa":  # only the window before the hit: the rest is null
+            want = expected_pages(tokens, 0, n, 0, layout)
+            equal = torch.equal(got.reshape(want.shape), want)
+        if n and layout in ("swa", "local"):  # only the window before the hit: rest null
             ids = [b for b in table[1][:n] if b]
             first = n - len(ids)
             got = _group_rows(mgr, 1, ids).view(torch.float32)
@@ -503,10 +515,10 @@ def _native_forward(mgr: Any, rid: str, tokens: list[int], start: int, end: int,
     a window group's null blocks skipped) and, for Mamba, the state at ``end`` in the block
     "align" mode keeps it in."""
     table = mgr.core.get_block_ids(rid)
-    for g in (0, 1) if layout == "swa" else (0,):
+    for g in (0, 1) if layout in ("swa", "local") else (0,):
         for b in range(start // BS, -(end // -BS)):
             if table[g][b]:
-                page = expected_pages(tokens, b * BS, 1, g).contiguous()
+                page = expected_pages(tokens, b * BS, 1, g, layout).contiguous()
                 mgr.memory.copy_in(g, [table[g][b]], page.view(torch.uint8).numpy().tobytes())
     if layout == "mamba":
         bid = table[1][-(end // -MAMBA_BS) - 1]
@@ -546,7 +558,8 @@ async def native_store(config_file: str, tokens: list[int], tenant: str, layout:
 def native_scenario(workdir: str, name: str) -> dict[str, Any]:
     """Same tier, same keys: vLLM stores and the native manager loads, and the reverse
     (every layout)."""
-    layout = {"native": "full", "native_swa": "swa", "native_mamba": "mamba"}[name]
+    layout = {"native": "full", "native_swa": "swa", "native_mamba": "mamba",
+              "native_mla": "mla", "native_local": "local"}[name]
     scen_dir = os.path.join(workdir, name)
     os.makedirs(scen_dir)
     config_file = write_config(scen_dir, disk=True, remote_url=None, layout=layout)
