@@ -1,4 +1,7 @@
-"""The ``kvplugin`` command line."""
+"""kvplugin: an asyncio KV-cache manager with KV offload for LLM serving engines.
+
+Run the main job (the reference engine on a deployment config), replay conformance traces
+on the allocation core, or validate config files."""
 
 from __future__ import annotations
 
@@ -94,9 +97,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     simulation (``--core-only``, ``--save-trace``, layouts the offload manager rejects);
     or a trace replay (``--trace``)."""
     if args.trace:
-        from kvplugin.replay import load_trace, run_trace
+        from kvplugin.replay import TraceError, UnsupportedTraceError, load_trace, run_trace
 
-        result = run_trace(load_trace(args.trace))
+        try:
+            result = run_trace(load_trace(args.trace))
+        except UnsupportedTraceError as e:
+            print(f"kvplugin run: {args.trace}: not supported: {e}", file=sys.stderr)
+            return 3
+        except (TraceError, OSError, ValueError) as e:
+            print(f"kvplugin run: {args.trace}: {e}", file=sys.stderr)
+            return 2
         print(f"kvplugin: replayed {os.path.basename(args.trace)} on the allocation core")
         print(summarize(result))
         return 1 if result["summary"]["num_errors"] else 0
@@ -181,6 +191,8 @@ ENGINE_ONLY = ("compare_no_offload", "plot", "metrics_port")
 
 
 def _check_run_flags(args: argparse.Namespace) -> str | None:
+    if args.requests is not None and args.requests < 1:
+        return f"--requests must be >= 1, got {args.requests}"
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         return f"--metrics-port must be 0..65535, got {args.metrics_port}"
     if args.metrics_linger < 0:
@@ -191,7 +203,8 @@ def _check_run_flags(args: argparse.Namespace) -> str | None:
         return f"--plot {args.plot}: no such directory"
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # Checked before the run, not after it: matplotlib is an optional extra.
-        return "--plot needs matplotlib: pip install 'kvplugin[plot]'"
+        return ("--plot needs matplotlib: pip install -e '.[plot]' (from a checkout) or "
+                "pip install 'kvplugin[plot]'")
     return None
 
 
@@ -231,7 +244,8 @@ def _run_core(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int
 def build_parser() -> argparse.ArgumentParser:
     from kvplugin.validate_cli import add_parser as add_validate_parser
 
-    ap = argparse.ArgumentParser(prog="kvplugin", description=__doc__)
+    ap = argparse.ArgumentParser(prog="kvplugin", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay conformance traces on kvplugin's core")
     rp.add_argument("traces", nargs="+", help="trace JSON file(s)")
@@ -279,7 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "metrics_port", None) is not None:
         # Where to scrape (the port is chosen here when asked for 0).
         logging.getLogger("kvplugin.engine.run").setLevel(logging.INFO)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `kvplugin run | head -1`: the reader left. Quietly, as a Unix tool on SIGPIPE
+        # (stdout to /dev/null so the interpreter's own flush at exit does not fail too).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
     return rc
 
 

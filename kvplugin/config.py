@@ -655,7 +655,14 @@ class KVPluginConfig(_Strict):
 # ----------------------------------------------------------------------------- loading
 
 
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
 def _parse(text: str, suffix: str, source: str) -> dict[str, Any]:
+    if suffix not in CONFIG_SUFFIXES:
+        # Never guessed: an .ini or .txt parsed as YAML would "load" as nonsense.
+        raise ConfigError(f"{source}: unknown config format {suffix or '(no suffix)'!r}; "
+                          f"use {', '.join(CONFIG_SUFFIXES)}")
     try:
         if suffix == ".toml":
             data: Any = tomllib.loads(text)
@@ -663,13 +670,25 @@ def _parse(text: str, suffix: str, source: str) -> dict[str, Any]:
             data = json.loads(text)
         else:
             data = yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: cannot parse: {_yaml_problem(e)}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{source}: cannot parse: {e}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line, at the file's line and column (PyYAML's own message names
+    ``<unicode string>`` and spans several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(e, "context", None)
+    return where + (f"{problem} ({context})" if context else str(problem))
 
 
 def _field_type(path: list[str]) -> Any:

@@ -399,6 +399,8 @@ def test_kvplugin_run_metrics_port_serves_every_metric() -> None:
     for name in METRIC_NAMES:
         assert f"# TYPE {name} " in text, name
     assert '"requests": 300' in out.splitlines()[-1]
+    # The linger is said: a finished run that keeps serving must not look hung.
+    assert (f"kvplugin: run finished; serving metrics on {url} for 1 s more") in err
 
 
 @pytest.mark.asyncio

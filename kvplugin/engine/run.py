@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -102,7 +103,11 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
             await probe.stop()
         out = report(dep, results, wall, probe)
         if metrics is not None and metrics_linger_s > 0:
-            await asyncio.sleep(metrics_linger_s)  # the final numbers, for a last scrape
+            # The final numbers, for a last scrape; said, or the finished run looks hung.
+            print(f"kvplugin: run finished; serving metrics on http://127.0.0.1:"
+                  f"{metrics.port}/metrics for {metrics_linger_s:g} s more", file=sys.stderr,
+                  flush=True)
+            await asyncio.sleep(metrics_linger_s)
     finally:
         if metrics is not None:
             metrics.close()

@@ -268,7 +268,7 @@ def test_bad_flags_are_refused_before_the_run_and_validate_config_is_a_command(
         m.setattr("importlib.util.find_spec",
                   lambda name, *a: None if name == "matplotlib" else _find_spec(name, *a))
         rc, out, err = _main(capsys, "--plot", str(tmp_path / "x.png"))
-        assert rc == 2 and "pip install 'kvplugin[plot]'" in err and not out
+        assert rc == 2 and "pip install -e '.[plot]'" in err and not out
     monkeypatch.setenv("KVPLUGIN_OFFLOAD__ENABLED", "false")
     rc, _, err = _main(capsys, "--compare-no-offload")
     assert rc == 2 and "needs a config with offload enabled" in err
