@@ -125,6 +125,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("num_requests", args.requests), ("seed", args.seed))
                  if v is not None}
     cfg = cfg.model_copy(update={"workload": cfg.workload.model_copy(update=overrides)})
+    if args.strict:
+        cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(
+            update={"require_tiers": True})})
     source = (args.config or os.environ.get("KVPLUGIN_CONFIG_FILE")
               or "the embedded default config")
     if args.compare_no_offload and not cfg.offload.enabled:
@@ -150,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
     from kvplugin.engine.progress import ProgressBar, wanted
     from kvplugin.engine.report import compare_table, comparison
-    from kvplugin.engine.run import run_compare, run_engine
+    from kvplugin.engine.run import TierUnavailable, run_compare, run_engine
 
     show = wanted(args.progress, json=args.json, stream=sys.stderr)
 
@@ -158,12 +161,17 @@ def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> i
         return ProgressBar(sys.stderr, desc=label) if show else None
 
     port, linger = args.metrics_port, args.metrics_linger
-    if args.compare_no_offload:
-        on, off = run_compare(cfg, progress=bar, metrics_port=port, metrics_linger_s=linger)
-    else:
-        on = run_engine(cfg, progress=bar("requests"), metrics_port=port,
-                        metrics_linger_s=linger)
-        off = None
+    try:
+        if args.compare_no_offload:
+            on, off = run_compare(cfg, progress=bar, metrics_port=port,
+                                  metrics_linger_s=linger)
+        else:
+            on = run_engine(cfg, progress=bar("requests"), metrics_port=port,
+                            metrics_linger_s=linger)
+            off = None
+    except TierUnavailable as e:
+        print(f"kvplugin run: {e}", file=sys.stderr)
+        return 2
     if args.plot:
         from kvplugin.engine.plot import plot_runs
 
@@ -265,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--core-only", action="store_true",
                      help="simulate the scheduler on the allocation core alone (no engine, "
                           "no offload)")
+    run.add_argument("--strict", action="store_true",
+                     help="a tier that does not answer at start is an error (exit 2), not a "
+                          "warning (offload.require_tiers)")
     run.add_argument("--json", action="store_true",
                      help="print the report as one JSON object (the last line)")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

@@ -283,6 +283,10 @@ class OffloadConfigSection(_Strict):
     connectors: list[ConnectorSpec] = Field(
         default_factory=list, description="extra tiers after the built-in ones (see "
                                           "offload.connectors[])")
+    require_tiers: bool = Field(
+        default=False, description="a tier that does not answer a health check at start "
+                                   "is an error (kvplugin run exits 2) instead of a "
+                                   "warning; kvplugin run --strict sets it")
     store_mode: Literal["copy", "hold"] = Field(
         default="copy", description="copy: a store copies the blocks out at once; hold: it "
                                     "pins them until written")

@@ -146,6 +146,8 @@ class RunReport:
                       f"{x.get('recomputed_tokens', 0)} claimed tokens recomputed)"),
             ("stores", f"{self.stores} objects ({self.stores_shed} shed, "
                        f"{x.get('stores_failed', 0)} failed)"),
+            ("tier errors", ", ".join(f"{t} {n}" for t, n in x.get("tier_errors", {}).items())
+             or "none"),
             ("KV checks", f"{x.get('pages_checked', 0)} pages, {self.kv_mismatches} mismatches, "
                           f"{self.cross_tenant_hits} cross-tenant"),
             *self._state_rows(),

@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from connectors.base import ConnectorStats
+from connectors.base import Connector, ConnectorStats, Health
+from connectors.faults import FaultInjector
 from connectors.tiered import TieredConnector
+from kvplugin.aio.jobs import connector_tiers
 from kvplugin.config import KVPluginConfig
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
@@ -76,6 +78,38 @@ async def drive(engine: Engine, specs: Sequence[RequestSpec], *,
     return results
 
 
+class TierUnavailable(RuntimeError):
+    """A tier did not answer at start and the deployment requires every tier."""
+
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+async def check_tiers(dep: Deployment, *, required: bool) -> list[str]:
+    """Ask every tier for its health at start: one warning (logged, and returned) per tier
+    that does not answer, or :class:`TierUnavailable` when ``required``. A fault drill's
+    injector is looked through: the drill is for the run, not for this check."""
+    if dep.connector is None:
+        return []
+    tiers: list[Connector] = connector_tiers(dep.connector)
+    raw = [t.inner if isinstance(t, FaultInjector) else t for t in tiers]
+    reports = await asyncio.gather(*(t.health(timeout=HEALTH_TIMEOUT_S) for t in raw),
+                                   return_exceptions=True)
+    out = []
+    for label, conn, h in zip(dep.tier_labels, raw, reports, strict=True):
+        if isinstance(h, Health) and h.ok:
+            continue
+        detail = h.detail if isinstance(h, Health) else f"{type(h).__name__}: {h}"
+        name = f"tier {label}" + (f" ({conn.name})" if conn.name != label else "")
+        what = f"{name} does not answer at start: {detail}"
+        if required:
+            raise TierUnavailable(f"{what} (offload.require_tiers)")
+        msg = f"{what}; its lookups miss and its stores fail (counted in tier_errors)"
+        logger.warning("%s", msg)
+        out.append(msg)
+    return out
+
+
 async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
                 specs: Sequence[RequestSpec] | None = None, progress: Progress | None = None,
                 metrics_port: int | None = None, metrics_linger_s: float = 0.0) -> RunReport:
@@ -89,6 +123,7 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     try:
         try:
             async with deployment(cfg, wrap_tiers=wrap_tiers) as dep:
+                tier_warnings = await check_tiers(dep, required=cfg.offload.require_tiers)
                 if metrics_port is not None:
                     from kvplugin.metrics import start_metrics_server
 
@@ -112,6 +147,7 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
         if metrics is not None:
             metrics.close()
     out.timeline, out.specs = timeline, specs
+    out.extra["tier_warnings"] = tier_warnings
     out.extra["workload"] = kinds(specs)
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return out
@@ -192,6 +228,7 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
         per_tenant=tenant_rows(dep, results))
     stored, loaded = tier_bytes(dep)
     out.extra.update(
+        tier_errors=tier_errors(dep),
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
         lookup_refreshes=es.lookup_refreshes, queried_tokens=ms.queried_tokens,
@@ -211,14 +248,25 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
     return out
 
 
+def _tier_stats(dep: Deployment) -> list[ConnectorStats]:
+    conn = dep.connector
+    if conn is None:
+        return []
+    return conn.tier_stats() if isinstance(conn, TieredConnector) else [conn.stats()]
+
+
+def tier_errors(dep: Deployment) -> dict[str, int]:
+    """Per tier, the calls that failed (errors and timeouts, as the tier counts them)."""
+    out: dict[str, int] = {}
+    for label, st in zip(dep.tier_labels, _tier_stats(dep), strict=True):
+        out[label] = out.get(label, 0) + st.errors + st.timeouts
+    return out
+
+
 def tier_bytes(dep: Deployment) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes written to and verified bytes read from each tier, as the tiers count them (a
     tier above another also counts the objects promoted into it)."""
-    conn = dep.connector
-    if conn is None:  # offload off
-        return {}, {}
-    parts: list[ConnectorStats] = (conn.tier_stats() if isinstance(conn, TieredConnector)
-                                   else [conn.stats()])
+    parts = _tier_stats(dep)
     stored: dict[str, int] = {}
     loaded: dict[str, int] = {}
     for label, st in zip(dep.tier_labels, parts, strict=True):
