@@ -136,7 +136,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.core_only or args.save_trace:
         return _run_core(cfg, args, source)
+    from kvplugin.config import unresolved_remote_url
     from kvplugin.engine.build import check_workload, engine_supports
+
+    waiting = unresolved_remote_url(cfg.offload.remote_url) if cfg.offload.enabled else None
+    if waiting is not None:
+        print(f"kvplugin run: {source}: offload.remote_url is env:{waiting}, but {waiting} is "
+              f"not set: set it to your Redis URL (or set KVPLUGIN_OFFLOAD__REMOTE_URL)",
+              file=sys.stderr)
+        return 2
 
     reason = engine_supports(cfg.layout, cfg.model)
     if reason is not None:

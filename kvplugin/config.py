@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -223,6 +224,15 @@ TEMP_DISK = "temp://"  # offload.local_disk: a fresh temporary directory, remove
 # quotas' max_tier_bytes name: memory is "host", disk "disk", Redis "remote".
 TIER_KINDS = ("host", "disk", "remote")
 CLUSTER_SCHEME = "redis-cluster://"  # remote_url: a Redis Cluster (connectors.redis_cluster)
+# remote_url: "env:NAME" reads the URL from the environment variable NAME when the config is
+# loaded (the shipped configs point at no shared default Redis: the deployment says which).
+ENV_REF = "env:"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def unresolved_remote_url(url: str | None) -> str | None:
+    """The environment variable an ``env:NAME`` remote_url still waits for, else None."""
+    return url[len(ENV_REF):] if url is not None and url.startswith(ENV_REF) else None
 
 
 class ModelConfig(_Strict):
@@ -279,7 +289,9 @@ class OffloadConfigSection(_Strict):
     remote_url: str | None = Field(
         default=None, description="a Redis tier: redis://host:port/db, rediss://..., "
                                   "unix:///path.sock, or a Redis Cluster: "
-                                  "redis-cluster://host:port[,host:port...] (null: none)")
+                                  "redis-cluster://host:port[,host:port...] (null: none); "
+                                  "env:NAME takes the URL from the environment variable NAME "
+                                  "(kvplugin run refuses to start while it is unset)")
     connectors: list[ConnectorSpec] = Field(
         default_factory=list, description="extra tiers after the built-in ones (see "
                                           "offload.connectors[])")
@@ -311,7 +323,13 @@ class OffloadConfigSection(_Strict):
             problems.append(((), "no tier: enable local_cpu, local_disk, remote_url or "
                                  "connectors (or set enabled: false)"))
         if self.remote_url is not None:
-            why = redis_url_problem(self.remote_url)
+            if self.remote_url.startswith(ENV_REF):
+                name = self.remote_url[len(ENV_REF):]
+                why = (None if _ENV_NAME.fullmatch(name) else
+                       f"remote_url {self.remote_url!r}: env: needs an environment variable "
+                       f"name ([A-Za-z_][A-Za-z0-9_]*)")
+            else:
+                why = redis_url_problem(self.remote_url)
             if why:
                 problems.append((("remote_url",), why))
         if self.local_disk == "":
@@ -818,4 +836,17 @@ def load_config(path: str | os.PathLike[str] | None = None,
         suffix = p.suffix.lower()
     data = _parse(text, suffix, source)
     data, origins = _env_overrides(data, env)
+    _resolve_env_refs(data, env, origins)
     return validate(data, source, origins)
+
+
+def _resolve_env_refs(data: dict[str, Any], env: Mapping[str, str],
+                      origins: dict[Loc, str]) -> None:
+    """``offload.remote_url: env:NAME`` takes NAME's value when it is set (and is validated
+    as a URL then); unset, the reference stays, for :func:`unresolved_remote_url`."""
+    off = data.get("offload")
+    url = off.get("remote_url") if isinstance(off, dict) else None
+    name = unresolved_remote_url(url) if isinstance(url, str) else None
+    if name is not None and _ENV_NAME.fullmatch(name) and env.get(name):
+        off["remote_url"] = env[name]  # type: ignore[index]
+        origins[("offload", "remote_url")] = name

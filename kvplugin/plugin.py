@@ -38,6 +38,7 @@ from kvplugin.config import (
     FaultsConfig,
     KVPluginConfig,
     OffloadConfigSection,
+    unresolved_remote_url,
 )
 from kvplugin.config import load_config as _load_config
 from kvplugin.engine.layouts import build_core
@@ -75,6 +76,10 @@ def build_tiers(off: OffloadConfigSection, disk_root: str | None,
         tiers.append(DiskConnector(disk_root, capacity_bytes=int(off.max_local_disk_size * GB),
                                    io_threads=off.disk_io_threads))
     if off.remote_url is not None:
+        waiting = unresolved_remote_url(off.remote_url)
+        if waiting is not None:
+            raise ValueError(f"offload.remote_url is env:{waiting}, but the environment "
+                             f"variable {waiting} is not set: set it to the Redis URL")
         tiers.append(_remote(off.remote_url))
     for i, spec in enumerate(off.connectors):
         try:

@@ -5,12 +5,15 @@ request is served."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from redis_fixture import clean_env, local_redis
 
 from connectors.faults import LocalRedisServer
@@ -67,3 +70,51 @@ def test_a_live_redis_is_quiet_and_error_free(local_redis: LocalRedisServer) -> 
     assert "does not answer" not in proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tier_errors"] == {"memory": 0, "redis": 0} and out["tier_warnings"] == []
+
+
+def test_shipped_redis_configs_name_no_default_server(local_redis: LocalRedisServer) -> None:
+    from kvplugin.config import ConfigError, load_config, unresolved_remote_url
+
+    for name, var in (("redis.yaml", "KVPLUGIN_REDIS_URL"), ("tiered.yaml", "KVPLUGIN_REDIS_URL"),
+                      ("tiered.toml", "KVPLUGIN_REDIS_URL"),
+                      ("redis_cluster.yaml", "KVPLUGIN_REDIS_CLUSTER_URL")):
+        cfg = load_config(REPO / "configs" / name, env={})
+        assert cfg.offload.remote_url == f"env:{var}"
+        assert unresolved_remote_url(cfg.offload.remote_url) == var
+    # Unset: kvplugin run refuses to start, in one line naming the variable.
+    proc = _run()
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (
+        f"kvplugin run: {REDIS_CFG}: offload.remote_url is env:KVPLUGIN_REDIS_URL, but "
+        "KVPLUGIN_REDIS_URL is not set: set it to your Redis URL (or set "
+        "KVPLUGIN_OFFLOAD__REMOTE_URL)")
+    # Set: the URL is the variable's, validated as any URL, and served.
+    with_env = load_config(REPO / "configs" / "redis.yaml",
+                           env={"KVPLUGIN_REDIS_URL": local_redis.url})
+    assert with_env.offload.remote_url == local_redis.url
+    with pytest.raises(ConfigError, match=r"\(set by environment variable KVPLUGIN_REDIS_URL\)"):
+        load_config(REPO / "configs" / "redis.yaml", env={"KVPLUGIN_REDIS_URL": "ftp://x"})
+    proc = _run("--json", KVPLUGIN_REDIS_URL=local_redis.url)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["tiers"] == ["memory", "redis"] and out["tier_errors"]["redis"] == 0
+
+
+def test_an_env_reference_needs_a_variable_name_and_the_plugin_refuses_it_unset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvplugin.config import ConfigError, load_config
+    from kvplugin.plugin import load_plugin
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("offload:\n  remote_url: 'env:not a name'\n")
+    with pytest.raises(ConfigError, match="environment variable name"):
+        load_config(bad, env={})
+    for name in [n for n in os.environ if n.startswith("KVPLUGIN_")]:
+        monkeypatch.delenv(name)
+
+    async def build() -> None:
+        async with load_plugin(REPO / "configs" / "redis.yaml"):
+            pass
+
+    with pytest.raises(ValueError, match="KVPLUGIN_REDIS_URL is not set"):
+        asyncio.run(build())
