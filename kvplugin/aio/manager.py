@@ -10,11 +10,17 @@ Per request, following vLLM's scheduler protocol::
 
     req = mgr.new_request(rid, tokens, tenant="acme")
     found = await mgr.lookup(req)                       # local + external hit, bounded
-    adm = mgr.allocate(req, n, found)                   # None: no room, nothing taken
-    if adm.loading: outcome = await mgr.wait_load(req)  # WAITING_FOR_REMOTE_KVS meanwhile
-    ... model step writes KV into mgr.memory, engine sets req.num_computed_tokens ...
+    adm = mgr.allocate(req, found, num_new_tokens=n)    # None: no room, nothing taken
+    if adm.loading:                                     # WAITING_FOR_REMOTE_KVS meanwhile
+        outcome = await mgr.wait_load(req)              # req.num_computed_tokens set
+        adm = mgr.allocate(req, num_new_tokens=n)       # slots for the rest
+    ... the model step writes KV into mgr.memory's pages of the blocks
+        mgr.core.get_block_ids(rid) names; the engine advances req.num_computed_tokens ...
     mgr.after_step([req])                               # offer newly computed chunks
+    adm = mgr.allocate(req, num_new_tokens=1)           # each next step, until it ends
     mgr.finish(req)                                     # True: freeing waits for stores
+
+The README's engine snippet is this protocol as a complete script (a test runs it).
 
 Tenants: the device cache separates them through the request's cache salt (built from the
 tenant, so it enters the first block's hash as vLLM's ``cache_salt`` does); the tiers through
