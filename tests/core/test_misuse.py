@@ -288,3 +288,23 @@ def test_bad_manager_arguments() -> None:
     with pytest.raises(ValueError, match="watermark"):
         KVCacheManager(config, max_model_len=64, scheduler_block_size=16, hash_block_size=16,
                        watermark=-0.1)
+
+
+def test_remove_skipped_blocks_over_a_block_already_freed_changes_nothing() -> None:
+    # Found by vLLM's own unit tests run against the core: a window release over a table
+    # holding a block whose ref count is already 0 nulled the entries, then raised.
+    c = Core([swa(32)], num_blocks=20)
+    a = running(c, "a", list(range(100)))
+    assert c.table(a) == [1, 2, 3, 4, 5, 6, 7]
+    c.pool.blocks[2].ref_cnt = 0  # freed behind the manager's back (the misuse)
+    before = snapshot(c.manager, ["a"])
+    with pytest.raises(ValueError, match=r"block 2 .*ref count is 0"):
+        c.manager.remove_skipped_blocks("a", 100)
+    # Tables, ref counts, free queue, cache map, events: exactly as before the call (the
+    # invariants cannot hold while block 2's count is the misuse's).
+    assert snapshot(c.manager, ["a"]) == before
+    assert c.table(a) == [1, 2, 3, 4, 5, 6, 7]  # no entry nulled
+    c.pool.blocks[2].ref_cnt = 1
+    c.manager.remove_skipped_blocks("a", 100)  # the valid call then releases as vLLM does
+    assert c.table(a)[:4] == [0, 0, 0, 0] and c.table(a)[4:] == [5, 6, 7]
+    check_invariants(c.manager, [a])

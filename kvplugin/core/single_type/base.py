@@ -285,14 +285,19 @@ class SingleTypeKVCacheManager:
         if blocks is None or first >= last:
             return
         null = self._null_block
+        end = min(last, len(blocks))
         freed: list[KVCacheBlock] = []
-        for i in range(min(last, len(blocks)) - 1, first - 1, -1):
+        for i in range(end - 1, first - 1, -1):
             if blocks[i] is null:
                 break
             freed.append(blocks[i])
-            blocks[i] = null
         if freed:
+            # Freed first, the table nulled after: a double free raises with the pool
+            # rolled back (free_blocks) and the table untouched, the manager as it was.
+            # (vLLM nulls first; the outcome is the same when nothing raises.)
             self.block_pool.free_blocks(freed)
+            for i in range(end - len(freed), end):
+                blocks[i] = null
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
