@@ -94,8 +94,9 @@ class IOGate:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self._release()  # granted, then cancelled before running: pass it on
-            else:
+            elif fut in queue:
                 queue.remove(fut)
+            # else: a release already popped the cancelled future and skipped it
             raise
 
     def _release(self) -> None:

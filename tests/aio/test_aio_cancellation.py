@@ -269,6 +269,30 @@ async def test_gate_slot_granted_then_cancelled_is_passed_on() -> None:
 
 
 @pytest.mark.asyncio
+async def test_gate_waiter_cancelled_then_skipped_by_a_release_stays_a_cancellation() -> None:
+    # The waiter is cancelled; before it runs, a release pops its (cancelled) future and
+    # skips it. Its clean-up must not then fail to find the future (it raised ValueError
+    # instead of the cancellation, seen as a traceback under load in `kvplugin run`).
+    gate = IOGate(1)
+    ran: list[str] = []
+
+    async def use(name: str) -> None:
+        async with gate.slot(Priority.STORE):
+            ran.append(name)
+
+    await gate._acquire(Priority.STORE)  # the holder
+    w1 = asyncio.create_task(use("w1"))
+    w2 = asyncio.create_task(use("w2"))
+    await asyncio.sleep(0)
+    assert gate.waiting == 2
+    w1.cancel()  # its future is cancelled now, its except block runs later
+    gate._release()  # skips w1's cancelled future, grants w2
+    results = await asyncio.gather(w1, w2, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError) and results[1] is None
+    assert ran == ["w2"] and gate.in_use == 0 and gate.waiting == 0
+
+
+@pytest.mark.asyncio
 async def test_a_job_never_released_makes_drain_and_aclose_raise_not_spin() -> None:
     """A job left registered after its task ended (a bookkeeping bug) must not turn drain()
     or aclose() into a loop that never yields: no deadline could fire. They raise."""
