@@ -13,26 +13,31 @@ name the keys, so a block stored through vLLM has the key the native manager giv
 the same model, layout and tenant. The tenant is ``kv_transfer_params["tenant"]``, else the
 request's ``cache_salt``, else ``kv_connector_extra_config["default_tenant"]`` ("default").
 
-Layouts: any mix of full-attention, sliding-window and Mamba "align" groups (at least one
-attention group). A hit is claimed only where every group can be restored (the native
-manager's :func:`kvplugin.aio.plans.reconcile`): attention chunks up to it, a window group
-only the window before it, a Mamba group the state stored at exactly that boundary. Stores:
-each group's completed chunks (a window group's blocks vLLM still holds), the Mamba
-boundary states vLLM hands over each step (``kv_connector_block_state``) and the
-finish-time partial tails (``register_finished_partial_tail``). Divergent local hybrid hits
+Layouts: any mix of full-attention, MLA, sliding-window, chunked local and Mamba "align"
+groups (at least one attention group), on the KV tensors vLLM allocates in any
+``KVCacheLayout`` (:mod:`._groups` reads the layout from each tensor's strides). A hit is
+claimed only where every group can be restored (the native manager's
+:func:`kvplugin.aio.plans.reconcile`): attention chunks up to it, a window group only the
+window before it, a Mamba group the state stored at exactly that boundary. Stores: each
+group's completed chunks (a window group's blocks vLLM still holds), the Mamba boundary
+states vLLM hands over each step (``kv_connector_block_state``) and the finish-time partial
+tails (``register_finished_partial_tail``). Divergent local hybrid hits
 (``supports_divergent_local_hybrid_hits``): vLLM may offer the attention groups' deeper
 device hit; a claim from it restores the lagging Mamba state at its end (docs/vllm.md).
 
-Scheduler side: a prefix lookup through the tiers, bounded by ``offload.lookup_timeout_ms``
-(a slow or dead tier is a miss, never a stall); loads and stores planned per step into the
+Scheduler side: a prefix lookup asked of the worker that owns the tiers (:mod:`._lookup`:
+vLLM runs the roles in separate processes), bounded by ``offload.lookup_timeout_ms`` (a
+slow or dead tier is a miss, never a stall); loads and stores planned per step into the
 metadata; a finished request that had stores keeps its blocks (``delay_free``) until the
-worker reports its stores done. Worker side: pages move between vLLM's tensors and
-kvplugin's page format (:mod:`kvplugin.integrations._groups`) on an event loop on its own
-thread. A load that misses or fails verification: with one KV-cache group its blocks are
-reported through ``get_block_ids_with_load_errors``; with several, vLLM 0.33 rejects block
-ids (they are unique per group only), so every load is asynchronous and a failed one is
-reported as a failed receive (``get_transfer_results().failed_recving``). Either way vLLM
-recomputes. Completed stores become ``BlockStored`` KV events (:mod:`._events`).
+worker reports its stores done. Worker side: the tiers, on an event loop on its own thread;
+pages move between vLLM's tensors and kvplugin's layout-free page format in one gather /
+scatter per group. A load that misses or fails verification is a miss vLLM recomputes
+(the connector sets ``kv_load_failure_policy`` to "recompute"): with one full-attention
+group its blocks are reported through ``get_block_ids_with_load_errors``; with several
+groups (vLLM 0.33 rejects block ids, unique per group only) or a window / local group,
+every load is asynchronous and a failed one is reported as a failed receive
+(``get_transfer_results().failed_recving``). Counters go to vLLM's stats channel
+(:mod:`._stats`); completed stores become ``BlockStored`` KV events (:mod:`._events`).
 
 vLLM and torch are imported lazily: importing this module without them works, building the
 connector raises an ImportError naming the ``vllm`` extra.
@@ -166,9 +171,9 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         # would attend over the null blocks before the loaded window). That can only be
         # reported for an async load (failed_recving applies to requests waiting for
         # remote KVs), so such layouts load asynchronously.
-        self._multi = len(self._groups) > 1 or any(
+        self._per_request = len(self._groups) > 1 or any(
             g.shape.kind in ("window", "local") for g in self._groups)
-        self._async_loads = self._multi or bool(extra.get("async_loads", False))
+        self._async_loads = self._per_request or bool(extra.get("async_loads", False))
         self._config, timeouts = _runtime.settings(config_file)
         _recompute_on_load_failure(self._kv_transfer_config, extra)
         self._keys = _runtime.keyspace_for(self._config, shapes, hbs, block_size)
@@ -348,7 +353,7 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
             logger.warning("kvplugin load for %s: vLLM gave a null or cached block for a "
                            "planned object; the load fails and vLLM recomputes",
                            request.request_id)
-        spec = LoadSpec(request.request_id, pieces, st.async_hit, local, end, self._multi,
+        spec = LoadSpec(request.request_id, pieces, st.async_hit, local, end, self._per_request,
                         broken)
         st.loading = spec.is_async
         self._meta.loads.append(spec)
