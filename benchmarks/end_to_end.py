@@ -170,7 +170,9 @@ def _problems(rep: RunReport) -> str:
     bad = {"unfinished": rep.requests - rep.finished, "failed": rep.failed,
            "kv_mismatches": rep.kv_mismatches, "cross_tenant_hits": rep.cross_tenant_hits,
            "leaked_blocks": rep.leaked_blocks}
-    return ", ".join(f"{k} {v}" for k, v in bad.items() if v)
+    # The token ledger must balance: every prompt token once (device, tier, computed).
+    ledger = [f"ledger: {e}" for e in rep.ledger_errors()]
+    return ", ".join([*(f"{k} {v}" for k, v in bad.items() if v), *ledger])
 
 
 def serve_once(cfg: KVPluginConfig, workload: str, specs: Sequence[RequestSpec]) -> Run:

@@ -196,6 +196,9 @@ def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> i
         if off is not None:
             print("\nthe same requests with offload off:")
             print(compare_table(on, off))
+    for rep in (on, off):
+        for err in rep.ledger_errors() if rep is not None else ():
+            print(f"kvplugin run: the token ledger does not add up: {err}", file=sys.stderr)
     return 0 if on.ok() and (off is None or off.ok()) else 1
 
 

@@ -46,6 +46,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.utils import floatToGoString
 
 from connectors.base import ConnectorStats
+from kvplugin.aio.ledger import LedgerTotals
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.tenants import TenantStats
 from kvplugin.aio.values import Histogram, Latency, OffloadStats, Residency
@@ -81,6 +82,12 @@ METRICS: tuple[MetricDoc, ...] = (
          "Tokens of those queries: the hit rate's denominator."),
     _doc("kvplugin_hit_tokens_total", "counter", "tier tenant",
          "Tokens served from the device cache or a tier instead of being computed."),
+    _doc("kvplugin_prompt_tokens_total", "counter", "source tenant",
+         "Prompt tokens of finished requests by where they came from, each token once "
+         "(source: device, a tier, computed, recomputed, unprocessed; the token ledger, "
+         "summing to the prompt tokens)."),
+    _doc("kvplugin_discarded_tokens_total", "counter", "tenant",
+         "Prompt tokens computed by passes a preemption ended (work, not a source)."),
     _doc("kvplugin_tier_lookups_total", "counter", "",
          "Lookups that asked the tiers."),
     _doc("kvplugin_lookup_timeouts_total", "counter", "",
@@ -171,6 +178,7 @@ class Snapshot:
     offload: bool
     stats: OffloadStats
     tenants: Mapping[str, TenantStats]
+    ledger: Mapping[str, LedgerTotals]  # per tenant, finished requests
     latency: Latency
     residency: Residency | None  # None: the core samples no blocks
     tier_stats: Sequence[ConnectorStats]  # per level
@@ -188,6 +196,7 @@ def snapshot(mgr: AsyncKVManager, labels: Sequence[str]) -> Snapshot:
     pool = mgr.core.block_pool
     return Snapshot(
         offload=mgr.offload, stats=mgr.stats(), tenants=mgr.tenant_stats(),
+        ledger=mgr.ledger.per_tenant(),
         latency=mgr.latency(), residency=mgr.residency(), tier_stats=mgr.tier_stats(),
         tier_labels=dict(zip(mgr.tiers, labels, strict=True)), level_labels=list(labels),
         free_blocks=pool.get_num_free_blocks(), total_blocks=pool.num_gpu_blocks - 1,
@@ -318,6 +327,13 @@ def _queries(s: Snapshot) -> Iterator[Metric]:
         for tier, n in v.stored_bytes_by_tier.items():
             _add(stored, (s.tier_labels.get(tier, tier), t), n)
     yield _counter("kvplugin_hit_tokens_total", hits)
+    books: dict[tuple[str, ...], float] = {}
+    for t, lt in s.ledger.items():
+        for src, n in lt.sources.items():
+            _add(books, (s.tier_labels.get(src, src), t), n)
+    yield _counter("kvplugin_prompt_tokens_total", books)
+    yield _counter("kvplugin_discarded_tokens_total",
+                   {(t,): lt.discarded_tokens for t, lt in s.ledger.items()})
     yield _counter("kvplugin_stored_bytes_total", stored)
     yield _counter("kvplugin_quota_refusals_total",
                    {(t,): v.quota_refusals for t, v in ts.items()})

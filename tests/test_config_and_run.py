@@ -56,6 +56,8 @@ def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest) -
     small = cfg.workload.model_copy(update={"num_requests": 6})
     report = run_engine(cfg.model_copy(update={"workload": small}))
     assert report.ok() and report.finished == 6 and report.failed == 0
+    assert report.ledger_errors() == [] and report.prompt_tokens == sum(
+        s.prompt_len for s in report.specs)
     assert report.extra["tiers"] and report.extra["pages_checked"] > 0
     if any(g.kind == "mamba" for g in cfg.layout.groups):
         assert report.extra["states_checked"] > 0

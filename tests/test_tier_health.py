@@ -17,6 +17,7 @@ import pytest
 from redis_fixture import clean_env, local_redis
 
 from connectors.faults import LocalRedisServer
+from kvplugin.engine.report import ledger_errors
 
 __all__ = ["local_redis"]  # the fixture, imported for pytest
 
@@ -45,6 +46,7 @@ def test_a_dead_redis_is_a_warning_at_start_and_counted_in_tier_errors() -> None
     assert len(warn) == 1 and "tier redis" in warn[0] and "Connection refused" in warn[0]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tier_errors"]["memory"] == 0 and out["tier_errors"]["redis"] > 0
+    assert ledger_errors(out) == []  # a dead tier costs hits, the books still balance
     assert out["hit_tokens"]["redis"] == 0 and out["tier_warnings"] == [
         warn[0].split(": ", 1)[1]]
     summary = _run(KVPLUGIN_OFFLOAD__REMOTE_URL=url)

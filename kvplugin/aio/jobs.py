@@ -181,6 +181,11 @@ class LoadJob:
     owner: Any = field(default=None, repr=False)  # the manager's per-request state
     states: tuple[StateLoad, ...] = ()  # Mamba states at ``end``, after the chunks
     levels: tuple[int, ...] = ()  # per key: the tier level the lookup found it at
+    # The lookup's rows the claim came from (per group: first chunk, levels) and the
+    # level of the state loaded: the verified tokens' tiers (the ledger's).
+    first: tuple[int, ...] = ()
+    found: tuple[tuple[int, ...], ...] = ()
+    state_level: int | None = None
     tier: str = ""  # the slowest tier it reads from (its latency is booked there)
     started: float = 0.0  # time.perf_counter() at its start
     abandoned: bool = False  # the request went away: apply nothing, only release

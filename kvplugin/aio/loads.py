@@ -52,7 +52,8 @@ class Loads(JobSide):
         levels = _levels(lookup, plan, states, claim.state_at)
         job = LoadJob(req.request_id, start, end, plan, keys, dst, owner=st, states=states,
                       levels=levels, tier=self._tiers[max(levels, default=0)],
-                      started=started)
+                      first=tuple(lookup.first), found=tuple(lookup.levels),
+                      state_level=levels[-1] if states else None, started=started)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         st.load = job
         st.loaded = asyncio.Event()
@@ -105,7 +106,12 @@ class Loads(JobSide):
                 st.skip_external = True
             req.status = (RequestStatus.PREEMPTED if req.num_preemptions
                           else RequestStatus.WAITING)
-        state = job.states[0].boundary if job.states and status is LoadStatus.LOADED else None
+        loaded = status is LoadStatus.LOADED
+        verified = plans.tokens_by_tier(
+            self._layout, self._tiers, job.first, job.found, job.start,
+            min(good, req.num_prompt_tokens), job.state_level if loaded else None)
+        st.ledger.load_ended(verified, job.start, job.end, good)
+        state = job.states[0].boundary if job.states and loaded else None
         st.outcome = LoadOutcome(req.request_id, status, job.end - job.start,
                                  max(0, good - job.start), good, state)
         st.loaded.set()

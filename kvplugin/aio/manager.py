@@ -65,6 +65,7 @@ from kvplugin.aio.jobs import (
     tier_names,
 )
 from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.ledger import TokenLedger
 from kvplugin.aio.loads import Loads
 from kvplugin.aio.memory import GroupShape, HostKVMemory, shape_of_group
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
@@ -171,6 +172,7 @@ class AsyncKVManager:
         self._gate = IOGate(config.max_io)
         self._requests: dict[str, ReqState] = {}
         self._stats = OffloadStats()
+        self.ledger = TokenLedger(self.tiers)  # finished requests' prompt tokens, by source
         self.tenants = Tenants(tenants, core=core, keyspace=self.keyspace, layout=self.layout,
                                memory=memory, hasher=self.hasher, tiers=self.tiers,
                                config=config, stats=self._stats)
@@ -404,7 +406,7 @@ class AsyncKVManager:
         self.core.record_prefix_cache_stats(req, claim.local)
         if self._stores is not None:
             self._stores.start_cursor(st, total, lookup)
-        by_tier = self._count_hits(req, claim, lookup)
+        by_tier = self._count_hits(st, claim, lookup)
         self.tenants.admitted(st, claim.local, by_tier)
         if loads:
             # A claim of tier tokens comes from a lookup of a manager with a connector.
@@ -428,23 +430,28 @@ class AsyncKVManager:
                 out.append(list(lst[:claim.local // self.layout.block_sizes[g]]))
         return self.core.create_kv_cache_blocks(tuple(out))
 
-    def _count_hits(self, req: Request, claim: Claim, lookup: Lookup | None
+    def _count_hits(self, st: ReqState, claim: Claim, lookup: Lookup | None
                     ) -> dict[str, int]:
-        s = self._stats
+        """Book the admission's hits (per query: the hit rate's) and open the request's
+        ledger pass (prompt positions only: see :mod:`kvplugin.aio.ledger`)."""
+        req, s = st.req, self._stats
         s.queries += 1
         s.queried_tokens += req.num_tokens
         s.local_hit_tokens += claim.local
+        end, prompt = claim.local + claim.external, req.num_prompt_tokens
         if not claim.external or lookup is None:
+            st.ledger.admitted(min(claim.local, prompt), {}, end, claim.loads)
             return {}
         s.external_hit_tokens += claim.external
         state_level = next((lv for b, lv in lookup.states if b == claim.state_at), None)
-        levels = plans.tokens_by_level(self.layout, lookup.first, lookup.levels, claim.local,
-                                       claim.local + claim.external, state_level)
-        out: dict[str, int] = {}
-        for level, n in levels.items():
-            name = self.tiers[level]
-            out[name] = out.get(name, 0) + n
+        out = plans.tokens_by_tier(self.layout, self.tiers, lookup.first, lookup.levels,
+                                   claim.local, end, state_level)
+        for name, n in out.items():
             s.hit_tokens_by_tier[name] = s.hit_tokens_by_tier.get(name, 0) + n
+        booked = out if end <= prompt else plans.tokens_by_tier(
+            self.layout, self.tiers, lookup.first, lookup.levels, claim.local, prompt,
+            state_level)
+        st.ledger.admitted(min(claim.local, prompt), booked, end, claim.loads)
         return out
 
     # ------------------------------------------------------------------ loads
@@ -477,6 +484,7 @@ class AsyncKVManager:
         stores = self._stores
         for req in requests:
             st = self._state(req)  # misuse raises with offload off too
+            st.ledger.advanced(req.num_computed_tokens)
             if stores is not None:
                 started += self.tenants.offer(st, stores, offers.pop(req.request_id, ()))
         for rid, rest in offers.items():
@@ -506,6 +514,7 @@ class AsyncKVManager:
                 tails = [StateOffer(*t) for t in self.core.finalize_partial_tail_offloads(req)]
             self.tenants.offer(st, self._stores, (), tails)
         del self._requests[req.request_id]
+        self.ledger.close(st.tenant, st.ledger, req.num_computed_tokens, req.num_prompt_tokens)
         self.tenants.finished(st)
         st.finished = True
         waits: set[LoadJob | StoreJob] = set()
@@ -532,6 +541,7 @@ class AsyncKVManager:
         if self.config.store_mode is StoreMode.HOLD:
             waits |= st.stores
         delayed = self._release(st, waits)
+        st.ledger.preempt(req.num_computed_tokens, req.num_prompt_tokens)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

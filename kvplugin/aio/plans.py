@@ -352,6 +352,18 @@ def tokens_by_level(layout: Layout, first: Sequence[int], levels: Sequence[Seque
     return out
 
 
+def tokens_by_tier(layout: Layout, tiers: Sequence[str], first: Sequence[int],
+                   levels: Sequence[Sequence[int]], start: int, end: int,
+                   state_level: int | None = None) -> dict[str, int]:
+    """:func:`tokens_by_level` by tier name (``tiers[level]``; two levels may share one)."""
+    out: dict[str, int] = {}
+    if end <= start:
+        return out
+    for level, n in tokens_by_level(layout, first, levels, start, end, state_level).items():
+        out[tiers[level]] = out.get(tiers[level], 0) + n
+    return out
+
+
 # --------------------------------------------------------------------------- loads
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from connectors.keys import ObjectKey
 from kvplugin.aio.jobs import LoadJob, StoreJob
 from kvplugin.aio.keys import KeyScope, KeySpace
+from kvplugin.aio.ledger import RequestLedger
 from kvplugin.aio.values import LoadOutcome
 from kvplugin.core.request import Request
 
@@ -35,6 +36,7 @@ class ReqState:
     # First token of an attention chunk this request offered but could not store: a state
     # beyond it would be a checkpoint missing a part.
     hole: int = NO_HOLE
+    ledger: RequestLedger = field(default_factory=RequestLedger)  # its prompt's books
 
     def chunk_keys(self, keyspace: KeySpace, group: int, first: int,
                    stop: int) -> list[ObjectKey]:

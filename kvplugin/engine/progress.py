@@ -12,12 +12,17 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NoReturn, Protocol, TextIO
 
+from kvplugin.aio.ledger import COMPUTED, RECOMPUTED, UNPROCESSED
+
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-    from kvplugin.engine.scheduler import EngineStats
+    from kvplugin.aio.ledger import LedgerTotals
 
-__all__ = ["Progress", "ProgressBar", "follow", "hits_by_source", "postfix", "wanted"]
+__all__ = ["Progress", "ProgressBar", "follow", "hit_sources", "ledger_sources", "postfix",
+           "wanted"]
+
+NOT_HITS = (COMPUTED, RECOMPUTED, UNPROCESSED)
 
 INTERVAL_S = 0.1
 
@@ -68,20 +73,26 @@ class ProgressBar:
             self._bar = None
 
 
-def hits_by_source(stats: EngineStats, labels: Mapping[str, str]) -> dict[str, int]:
-    """The engine's hit tokens so far: ``"device"``, then each tier by its label (``labels``
-    maps a tier's kind, the engine's key, to the report's name for it)."""
-    out = {"device": stats.device_hit_tokens}
-    for kind, label in labels.items():
-        out[label] = out.get(label, 0) + stats.tier_hit_tokens.get(kind, 0)
+def ledger_sources(totals: LedgerTotals, labels: Mapping[str, str]) -> dict[str, int]:
+    """The token ledger's sources (``device``, each tier, ``computed``, ``recomputed``,
+    ``unprocessed``), the tiers by their labels (``labels`` maps a tier's name to the
+    report's name for it; two tiers of one kind add up)."""
+    out: dict[str, int] = {}
+    for src, n in totals.sources.items():
+        key = labels.get(src, src)
+        out[key] = out.get(key, 0) + n
     return out
 
 
-def postfix(hits: Mapping[str, int], computed: int) -> str:
-    """``hit 61% | memory 1200 disk 350``: the hits' share of the prompt tokens processed
-    (hits + ``computed`` prompt tokens, as the summary counts it), then the tiers' hits."""
-    served = sum(hits.values())
-    share = served / (served + computed) if served + computed else 0.0
+def hit_sources(sources: Mapping[str, int]) -> dict[str, int]:
+    """The hits of :func:`ledger_sources`: ``device`` and the tiers."""
+    return {s: n for s, n in sources.items() if s not in NOT_HITS}
+
+
+def postfix(hits: Mapping[str, int], prompt_tokens: int) -> str:
+    """``hit 61% | memory 1200 disk 350``: the hits' share of the finished requests'
+    prompt tokens (the token ledger, as the summary counts it), then the tiers' hits."""
+    share = sum(hits.values()) / prompt_tokens if prompt_tokens else 0.0
     tiers = " ".join(f"{k} {v}" for k, v in hits.items() if k != "device")
     return f"hit {share:.0%}" + (f" | {tiers}" if tiers else "")
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from kvplugin.engine.workload import RequestSpec
 
 __all__ = ["CONTRACT_KEYS", "RunReport", "Sample", "TenantRow", "compare_table", "comparison",
-           "percentile"]
+           "ledger_errors", "percentile"]
 
 CONTRACT_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens", "hit_tokens",
                  "loads", "load_failures", "stores", "stores_shed", "kv_mismatches",
@@ -30,35 +30,39 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One finished request, with the engine's cumulative counters at that moment (a hit is
-    counted at admission, not per request, so the time series is cumulative)."""
+    """One finished request, with the token ledger's totals at that moment (the books of
+    the requests finished so far: cumulative)."""
 
     t_s: float  # finish time, seconds after the start
     tenant: str
     ttft_s: float | None
-    prompt_tokens: int  # the engine's, so far (requests admitted or waiting)
-    computed_prompt_tokens: int  # so far
-    hit_tokens: Mapping[str, int]  # so far: "device" and each tier's label
+    prompt_tokens: int  # of the requests finished so far
+    computed_prompt_tokens: int  # of those, computed (recomputation included)
+    hit_tokens: Mapping[str, int]  # of those: "device" and each tier's label
 
 
 @dataclass(frozen=True, slots=True)
 class TenantRow:
+    """A tenant's finished requests, from the same token ledger as the totals."""
+
     requests: int
-    prompt_tokens: int  # of its finished requests
+    prompt_tokens: int
     hit_tokens: int
-    queried_tokens: int  # of its prefix-cache queries (one per admission: the hit rate's)
+    computed_tokens: int
+    queried_tokens: int  # of its prefix-cache queries (one per admission)
     ttft_p50_ms: float
+    sources: Mapping[str, int] = field(default_factory=dict)  # its token ledger
 
     @property
     def hit_share(self) -> float:
-        """Hit tokens over the tokens queried: a preempted request queries, and may hit,
-        again, so its prompt tokens alone would let the share pass 100%."""
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        """Hit tokens over the prompt tokens: the headline's denominator."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "hit_tokens": self.hit_tokens, "queried_tokens": self.queried_tokens,
-                "hit_share": round(self.hit_share, 4), "ttft_p50_ms": self.ttft_p50_ms}
+                "hit_tokens": self.hit_tokens, "computed_tokens": self.computed_tokens,
+                "queried_tokens": self.queried_tokens, "hit_share": round(self.hit_share, 4),
+                "token_ledger": dict(self.sources), "ttft_p50_ms": self.ttft_p50_ms}
 
 
 @dataclass(slots=True)
@@ -102,21 +106,19 @@ class RunReport:
         """Finished requests per second of wall time."""
         return self.finished / self.wall_s if self.wall_s > 0 else 0.0
 
-    @property
-    def processed_tokens(self) -> int:
-        """Prompt tokens the engine served, each from a hit or computed (a preempted
-        request's again): the shares' denominator, so they sum to 100%."""
-        return sum(self.hit_tokens.values()) + self.computed_prompt_tokens
-
     def share(self, tokens: int) -> float:
-        """``tokens`` as a share of the processed prompt tokens."""
-        n = self.processed_tokens
-        return tokens / n if n else 0.0
+        """``tokens`` as a share of the prompt tokens (every share's denominator)."""
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def ok(self) -> bool:
-        """Every request finished, the KV was right, nothing leaked."""
+        """Every request finished, the KV was right, nothing leaked, the books balance."""
         return (self.finished == self.requests and not self.kv_mismatches
-                and not self.cross_tenant_hits and not self.leaked_blocks)
+                and not self.cross_tenant_hits and not self.leaked_blocks
+                and not self.ledger_errors())
+
+    def ledger_errors(self) -> list[str]:
+        """:func:`ledger_errors` of this report."""
+        return ledger_errors(self.as_dict())
 
     def _state_rows(self) -> list[tuple[str, str]]:
         """Mamba layouts only: the boundary states stored, loaded and checked."""
@@ -137,10 +139,16 @@ class RunReport:
             ("requests", f"{self.finished}/{self.requests} finished ({self.failed} failed), "
                          f"{x.get('steps', 0)} steps, {x.get('preemptions', 0)} preemptions"),
             ("prompt tokens", f"{self.prompt_tokens}, computed {self.computed_prompt_tokens} "
-                              f"(recomputations included)"),
+                              f"({x.get('recomputed_after', {}).get('preemption', 0)} again "
+                              f"after a preemption, "
+                              f"{x.get('recomputed_after', {}).get('failed_load', 0)} after a "
+                              f"failed load)"),
             ("hit tokens", f"{sum(self.hit_tokens.values())} "
                            f"({self.share(sum(self.hit_tokens.values())):.1%} of the prompt "
-                           f"tokens processed), {self.tier_hits} from the tiers"),
+                           f"tokens), {self.tier_hits} from the tiers"),
+            ("prefill work", f"{x.get('prefill_work_tokens', 0)} tokens computed, "
+                             f"{x.get('discarded_tokens', 0)} of them by passes a preemption "
+                             f"ended"),
             ("loads", f"{self.loads} ({self.load_failures} failed, "
                       f"{x.get('loaded_chunks', 0)} objects, "
                       f"{x.get('recomputed_tokens', 0)} claimed tokens recomputed)"),
@@ -163,27 +171,68 @@ class RunReport:
         return "\n".join([*lines, "", self.sources_table(), "", self.tenant_table()])
 
     def sources_table(self) -> str:
-        """Prompt tokens by where they came from; a tier's bytes stored and loaded."""
+        """The token ledger: every prompt token once, by where it came from (the rows sum
+        to the prompt tokens); a tier's bytes stored and loaded."""
         stored = self.extra.get("bytes_stored", {})
         loaded = self.extra.get("bytes_loaded", {})
+        ledger = self.extra.get("token_ledger") or {
+            **self.hit_tokens, "computed": self.computed_prompt_tokens}
         rows = [["source", "tokens", "share", "stored MiB", "loaded MiB"]]
-        for src, n in self.hit_tokens.items():
-            tier = src != "device"
+        for src, n in ledger.items():
+            if src == "unprocessed" and not n:
+                continue
+            tier = src in stored or src in loaded
             rows.append([src, str(n), f"{self.share(n):.1%}",
                          mib(stored.get(src, 0)) if tier else "-",
                          mib(loaded.get(src, 0)) if tier else "-"])
-        rows.append(["recomputed", str(self.computed_prompt_tokens),
-                     f"{self.share(self.computed_prompt_tokens):.1%}", "-", "-"])
-        return render(rows) + ("\n* share: of the prompt tokens processed, each a hit or "
-                               "recomputed (a preempted request's again)")
+        rows.append(["total", str(sum(ledger.values())), f"{self.share(sum(ledger.values())):.1%}",
+                     "", ""])
+        return render(rows) + (
+            "\n* each prompt token once, by the pass that finished its request; recomputed: "
+            "computed before by a preempted pass, or claimed from a tier whose load failed"
+            "\n* stored MiB: bytes a tier wrote (puts it confirmed), hits promoted into it "
+            "from a lower tier included; loaded MiB: verified bytes read from it")
 
     def tenant_table(self) -> str:
-        rows = [["tenant", "requests", "prompt tokens", "queried", "hit tokens", "hit share",
+        rows = [["tenant", "requests", "prompt tokens", "hit tokens", "computed", "hit share",
                  "TTFT p50 ms"]]
         for tenant, r in sorted(self.per_tenant.items()):
-            rows.append([tenant, str(r.requests), str(r.prompt_tokens), str(r.queried_tokens),
-                         str(r.hit_tokens), f"{r.hit_share:.1%}", f"{r.ttft_p50_ms:.2f}"])
+            rows.append([tenant, str(r.requests), str(r.prompt_tokens), str(r.hit_tokens),
+                         str(r.computed_tokens), f"{r.hit_share:.1%}", f"{r.ttft_p50_ms:.2f}"])
         return render(rows)
+
+
+NOT_HITS = ("computed", "recomputed", "unprocessed")
+
+
+def ledger_errors(report: Mapping[str, Any]) -> list[str]:
+    """Where a run report's token ledger (its JSON) does not add up; empty: it does. Its
+    sources against ``prompt_tokens``, its hits against ``hit_tokens``, its computed and
+    recomputed tokens against ``computed_prompt_tokens``, the tenants' books against the
+    totals."""
+    ledger = report.get("token_ledger")
+    if ledger is None:
+        return ["no token_ledger"]
+    errors = []
+    if sum(ledger.values()) != report["prompt_tokens"]:
+        errors.append(f"sources {sum(ledger.values())} != prompt tokens "
+                      f"{report['prompt_tokens']}")
+    hits = {k: v for k, v in ledger.items() if k not in NOT_HITS}
+    if hits != report["hit_tokens"]:
+        errors.append(f"hit tokens {report['hit_tokens']} != the ledger's {hits}")
+    if ledger.get("computed", 0) + ledger.get("recomputed", 0) != \
+            report["computed_prompt_tokens"]:
+        errors.append("computed_prompt_tokens is not computed + recomputed")
+    if sum(report.get("recomputed_after", {}).values()) != ledger.get("recomputed", 0):
+        errors.append("recomputed_after does not add up to recomputed")
+    rows = report.get("per_tenant", {}).values()
+    for src, n in ledger.items():
+        if rows and sum(r["token_ledger"].get(src, 0) for r in rows) != n:
+            errors.append(f"the tenants' {src} tokens do not add up to {n}")
+    for tenant, r in report.get("per_tenant", {}).items():
+        if sum(r["token_ledger"].values()) != r["prompt_tokens"]:
+            errors.append(f"tenant {tenant}'s sources do not add up to its prompt tokens")
+    return errors
 
 
 def mib(n: int) -> str:

@@ -22,7 +22,7 @@ from kvplugin.aio.jobs import connector_tiers
 from kvplugin.config import KVPluginConfig
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
-from kvplugin.engine.progress import Progress, follow, hits_by_source, postfix
+from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
 from kvplugin.engine.report import RunReport, Sample, TenantRow, percentile
 from kvplugin.engine.scheduler import Engine, Result
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate, kinds
@@ -164,17 +164,21 @@ async def _served(dep: Deployment, specs: Sequence[RequestSpec], progress: Progr
                   ) -> tuple[dict[str, Result], list[Sample]]:
     """:func:`drive`, recording the time series and feeding the progress bar (from a task
     of its own: the engine's step never waits for the terminal)."""
-    es, labels = dep.engine.stats, _labels(dep)
+    es, labels, ledger = dep.engine.stats, _labels(dep), dep.mgr.ledger
     loop = asyncio.get_running_loop()
     start = loop.time()
     timeline: list[Sample] = []
 
     def finished(res: Result) -> None:
-        timeline.append(Sample(loop.time() - start, res.tenant, res.ttft_s, es.prompt_tokens,
-                               es.computed_prompt_tokens, hits_by_source(es, labels)))
+        books = ledger.totals()  # the manager booked the request when the engine finished it
+        timeline.append(Sample(loop.time() - start, res.tenant, res.ttft_s, books.prompt_tokens,
+                               books.computed_tokens,
+                               hit_sources(ledger_sources(books, labels))))
 
     def now() -> tuple[int, str]:
-        return es.finished, postfix(hits_by_source(es, labels), es.computed_prompt_tokens)
+        books = ledger.totals()
+        return es.finished, postfix(hit_sources(ledger_sources(books, labels)),
+                                    books.prompt_tokens)
 
     ticker = None
     if progress is not None:
@@ -215,10 +219,12 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
     labels = _labels(dep)
     ttft = [r.ttft_s * 1000 for r in results.values() if r.ttft_s is not None]
     steps = [s * 1000 for s in es.step_s]
+    books = dep.mgr.ledger.totals()
+    sources = ledger_sources(books, labels)
     out = RunReport(
         requests=es.requests, finished=es.finished, failed=es.failed,
-        prompt_tokens=es.prompt_tokens, computed_prompt_tokens=es.computed_prompt_tokens,
-        hit_tokens=hits_by_source(es, labels), loads=ms.loads,
+        prompt_tokens=books.prompt_tokens, computed_prompt_tokens=books.computed_tokens,
+        hit_tokens=hit_sources(sources), loads=ms.loads,
         load_failures=ms.loads_failed + ms.loads_cancelled,
         stores=ms.stored_chunks, stores_shed=ms.stores_shed,
         kv_mismatches=model.kv_mismatches, cross_tenant_hits=model.cross_tenant_hits,
@@ -228,6 +234,8 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
         per_tenant=tenant_rows(dep, results))
     stored, loaded = tier_bytes(dep)
     out.extra.update(
+        token_ledger=sources, recomputed_after=dict(books.recomputed_after),
+        discarded_tokens=books.discarded_tokens, prefill_work_tokens=es.computed_prompt_tokens,
         tier_errors=tier_errors(dep),
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
@@ -276,20 +284,25 @@ def tier_bytes(dep: Deployment) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def tenant_rows(dep: Deployment, results: Mapping[str, Result]) -> dict[str, TenantRow]:
-    """Per tenant: requests, prompt tokens and TTFT from the results; hit and queried
-    tokens from the manager (the engine counts hits in total only)."""
+    """Per tenant: the token ledger of its finished requests (the same books as the
+    totals: the rows add up to them), TTFT from the results, and the tokens its
+    prefix-cache queries asked for (one per admission: the per-query hit rate's)."""
     by_tenant: dict[str, list[Result]] = {}
     for r in results.values():
         by_tenant.setdefault(r.tenant, []).append(r)
     stats = dep.mgr.tenant_stats()
+    books = dep.mgr.ledger.per_tenant()
+    labels = _labels(dep)
     out = {}
     for tenant, rs in sorted(by_tenant.items()):
-        ts = stats.get(tenant)
+        ts, lt = stats.get(tenant), books.get(tenant)
         ttft = [r.ttft_s * 1000 for r in rs if r.ttft_s is not None]
-        out[tenant] = TenantRow(len(rs), sum(len(r.prompt) for r in rs),
-                                sum(ts.hit_tokens.values()) if ts is not None else 0,
+        sources = ledger_sources(lt, labels) if lt is not None else {}
+        out[tenant] = TenantRow(len(rs), lt.prompt_tokens if lt is not None else 0,
+                                sum(hit_sources(sources).values()),
+                                lt.computed_tokens if lt is not None else 0,
                                 ts.queried_tokens if ts is not None else 0,
-                                round(percentile(ttft, 50), 2))
+                                round(percentile(ttft, 50), 2), sources)
     return out
 
 

@@ -15,7 +15,7 @@ from connectors.base import Connector
 from connectors.faults import FaultInjector, FaultPlan
 from kvplugin.config import load_config
 from kvplugin.engine.build import deployment
-from kvplugin.engine.report import CONTRACT_KEYS
+from kvplugin.engine.report import CONTRACT_KEYS, ledger_errors
 from kvplugin.engine.run import serve
 from kvplugin.engine.workload import Finished, build_prompt, generate
 
@@ -36,6 +36,10 @@ def test_kvplugin_run_json_on_the_default_config() -> None:
     assert hits["memory"] > 0 and hits["disk"] > 0 and out["loads"] > 0
     assert out["computed_prompt_tokens"] < out["prompt_tokens"]
     assert out["wall_s"] < 30
+    # The books balance on a run with preemptions: every prompt token once.
+    assert ledger_errors(out) == [] and out["preemptions"] > 0
+    assert out["prompt_tokens"] == sum(out["token_ledger"].values())
+    assert out["prefill_work_tokens"] == out["computed_prompt_tokens"] + out["discarded_tokens"]
 
 
 @pytest.mark.asyncio
@@ -58,6 +62,8 @@ async def test_faulty_tiers_cost_hits_never_correctness() -> None:
     assert report.kv_mismatches == 0 and report.cross_tenant_hits == 0
     assert report.leaked_blocks == 0
     assert report.loads > 0 and report.tier_hits > 0
+    assert report.ledger_errors() == []
+    assert report.prompt_tokens == sum(s.prompt_len for s in report.specs)
     injected = [f.injected for f in faulty]
     assert sum(i.errors for i in injected) > 0 and sum(i.corrupted for i in injected) > 0
 

@@ -79,31 +79,42 @@ async def test_summary_table_shows_the_reports_numbers_per_source_and_tenant() -
     assert d["bytes_stored"]["memory"] > 0 and d["bytes_loaded"]["memory"] > 0
     lines = rep.table().splitlines()
     rows = {ln.split()[0]: ln.split() for ln in lines if ln and not ln[0].isspace()}
-    # Shares of the prompt tokens processed: each a hit or computed, so they sum to 100%.
-    computed = d["computed_prompt_tokens"]
-    processed = sum(d["hit_tokens"].values()) + computed
-    assert rows["device"] == ["device", str(d["hit_tokens"]["device"]),
-                              f"{d['hit_tokens']['device'] / processed:.1%}", "-", "-"]
+    # The token ledger: every prompt token once, the shares of the prompt tokens.
+    computed, prompt = d["computed_prompt_tokens"], d["prompt_tokens"]
+    ledger = d["token_ledger"]
+    assert prompt == sum(s.prompt_len for s in rep.specs) == sum(ledger.values())
+    assert list(ledger) == ["device", "memory", "disk", "computed", "recomputed", "unprocessed"]
+    assert ledger["computed"] + ledger["recomputed"] == computed and ledger["unprocessed"] == 0
+    assert {k: ledger[k] for k in ("device", "memory", "disk")} == d["hit_tokens"]
+    assert sum(d["recomputed_after"].values()) == ledger["recomputed"]
+    assert d["prefill_work_tokens"] == computed + d["discarded_tokens"]
+    assert rows["device"] == ["device", str(ledger["device"]),
+                              f"{ledger['device'] / prompt:.1%}", "-", "-"]
     for tier in ("memory", "disk"):
         n = d["hit_tokens"][tier]
-        assert rows[tier] == [tier, str(n), f"{n / processed:.1%}",
+        assert rows[tier] == [tier, str(n), f"{n / prompt:.1%}",
                               mib(d["bytes_stored"][tier]), mib(d["bytes_loaded"][tier])]
-    assert rows["recomputed"] == ["recomputed", str(computed), f"{computed / processed:.1%}",
-                                  "-", "-"]
-    # Per tenant: the results' requests and prompt tokens, the manager's hits; they add up
-    # to the totals.
+    for src in ("computed", "recomputed"):
+        assert rows[src] == [src, str(ledger[src]), f"{ledger[src] / prompt:.1%}", "-", "-"]
+    assert "unprocessed" not in rows  # shown only when a request ended before its prefill
+    assert rows["total"] == ["total", str(prompt), "100.0%"]
+    # Per tenant: the same books, the same denominator; they add up to the totals.
     tenants = d["per_tenant"]
     assert sorted(tenants) == ["tenant0", "tenant1", "tenant2"]
     for name, t in tenants.items():
-        share = t["hit_tokens"] / t["queried_tokens"]
+        share = t["hit_tokens"] / t["prompt_tokens"]
         assert t["hit_share"] == round(share, 4) and 0 <= share <= 1
+        assert sum(t["token_ledger"].values()) == t["prompt_tokens"]
+        assert t["hit_tokens"] + t["computed_tokens"] == t["prompt_tokens"]
         assert rows[name] == [name, str(t["requests"]), str(t["prompt_tokens"]),
-                              str(t["queried_tokens"]), str(t["hit_tokens"]), f"{share:.1%}",
+                              str(t["hit_tokens"]), str(t["computed_tokens"]), f"{share:.1%}",
                               f"{t['ttft_p50_ms']:.2f}"]
     assert sum(t["requests"] for t in tenants.values()) == d["finished"]
-    assert sum(t["prompt_tokens"] for t in tenants.values()) == d["prompt_tokens"]
+    assert sum(t["prompt_tokens"] for t in tenants.values()) == prompt
     assert sum(t["queried_tokens"] for t in tenants.values()) == d["queried_tokens"]
     assert sum(t["hit_tokens"] for t in tenants.values()) == sum(d["hit_tokens"].values())
+    for src in ledger:
+        assert sum(t["token_ledger"][src] for t in tenants.values()) == ledger[src]
     assert f"leaked blocks : {d['leaked_blocks']}" in lines
     assert (f"TTFT          : p50 {d['ttft_p50_ms']} ms, p99 {d['ttft_p99_ms']} ms"
             in lines)
@@ -126,11 +137,11 @@ async def test_progress_is_fed_by_a_periodic_task_and_ends_on_the_final_count() 
     assert len(bar.updates) <= rep.wall_s / 0.1 + 3
     assert len(bar.updates) < rep.extra["steps"]
     hits = rep.hit_tokens
-    assert bar.updates[-1][1] == postfix(hits, rep.computed_prompt_tokens)
+    assert bar.updates[-1][1] == postfix(hits, rep.prompt_tokens)
 
 
 def test_postfix_and_when_a_bar_is_drawn() -> None:
-    assert postfix({"device": 30, "memory": 20, "disk": 10}, 140) == "hit 30% | memory 20 disk 10"
+    assert postfix({"device": 30, "memory": 20, "disk": 10}, 200) == "hit 30% | memory 20 disk 10"
     assert postfix({"device": 0}, 0) == "hit 0%"
 
     class Tty(io.StringIO):
