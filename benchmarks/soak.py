@@ -272,7 +272,7 @@ async def soak(cfg: KVPluginConfig, outage: Outage | None = None, *,
     remote: list[Connector] = []
 
     def watch(tier: Connector) -> Connector:
-        if tier.capabilities.tier == "remote":
+        if tier.capabilities.tier == "redis":
             remote.append(tier)
         return tier
 

@@ -121,7 +121,7 @@ class ConnectorClosed(RuntimeError):
 class Capabilities:
     """What a connector promises. ``tier`` maps to vLLM's cache-hit sources."""
 
-    tier: str  # "host", "disk", "remote" or "tiered"
+    tier: str  # "memory", "disk", "redis" or "tiered": the name every report uses
     persistent: bool  # survives a restart of this process
     shared: bool  # other processes see its objects
     atomic_put: bool = True  # an object is either fully readable or absent

@@ -70,7 +70,7 @@ class MemoryConnector(StoreBase):
         super().__init__(
             name=name,
             capabilities=Capabilities(
-                tier="host", persistent=False, shared=False, max_object_bytes=capacity_bytes
+                tier="memory", persistent=False, shared=False, max_object_bytes=capacity_bytes
             ),
             secret=secret,
             previous_secrets=previous_secrets,

@@ -181,7 +181,7 @@ class RedisStoreBase(StoreBase):
         super().__init__(
             name=name,
             capabilities=Capabilities(
-                tier="remote", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
+                tier="redis", persistent=True, shared=True, ttl=opts.ttl_seconds is not None
             ),
             secret=secret,
             previous_secrets=previous_secrets,

@@ -29,7 +29,7 @@ import numpy as np
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import LoadOutcome, LoadStatus
 from kvplugin.core.request import Request, RequestStatus
-from kvplugin.plugin import TIER_LABELS, load_plugin
+from kvplugin.plugin import load_plugin
 
 MAX_TOKENS = 8  # tokens generated per request
 BUDGET = 256  # tokens per step
@@ -98,8 +98,7 @@ class ToyEngine:
                 break  # no room now
             self.waiting.popleft()
             for tier, n in {"device": adm.local_tokens, **adm.external_by_tier}.items():
-                name = TIER_LABELS.get(tier, tier)  # host -> memory, remote -> redis
-                self.hits[name] = self.hits.get(name, 0) + n
+                self.hits[tier] = self.hits.get(tier, 0) + n
             if adm.loading:  # WAITING_FOR_REMOTE_KVS: resumes when the load ended
                 self.loading.add(asyncio.create_task(self._load(req)))
                 continue

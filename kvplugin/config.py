@@ -220,9 +220,11 @@ class LimitsConfig(_Strict):
 
 GB = 1 << 30
 TEMP_DISK = "temp://"  # offload.local_disk: a fresh temporary directory, removed afterwards
-# The tier kinds (a connector's capabilities.tier) of the built-in tiers, which the tenant
-# quotas' max_tier_bytes name: memory is "host", disk "disk", Redis "remote".
-TIER_KINDS = ("host", "disk", "remote")
+# The tier kinds (a connector's capabilities.tier) of the built-in tiers: the one name each
+# tier has everywhere (reports, metrics, the tenant quotas' max_tier_bytes, mgr.tiers).
+TIER_KINDS = ("memory", "disk", "redis")
+# Names of the tiers before they had one name everywhere: refused with the new one.
+OLD_TIER_NAMES = {"host": "memory", "remote": "redis"}
 CLUSTER_SCHEME = "redis-cluster://"  # remote_url: a Redis Cluster (connectors.redis_cluster)
 # remote_url: "env:NAME" reads the URL from the environment variable NAME when the config is
 # loaded (the shipped configs point at no shared default Redis: the deployment says which).
@@ -488,7 +490,7 @@ class TenantQuotaConfig(_Strict):
                                         "oldest lose their cache identity beyond it")
     max_tier_bytes: dict[str, int] = Field(
         default_factory=dict, description="bytes it may write to each tier over the run, by "
-                                          "tier kind: host (memory), disk, remote (Redis); "
+                                          "tier: memory, disk, redis; "
                                           "offers beyond it are shed")
 
     @model_validator(mode="after")
@@ -667,10 +669,12 @@ class KVPluginConfig(_Strict):
         tiers = self.offload.tier_kinds()
         for loc, q in quotas:
             for tier in q.max_tier_bytes:
-                if tier not in tiers:
+                if tier in OLD_TIER_NAMES:
                     problems.append(((*loc, "max_tier_bytes", tier), (
-                        f"no {tier!r} tier: this deployment's tiers are {tiers or 'none'} "
-                        f"(tier kinds: host = memory, disk, remote = Redis)")))
+                        f"the {tier!r} tier is now named {OLD_TIER_NAMES[tier]!r}")))
+                elif tier not in tiers:
+                    problems.append(((*loc, "max_tier_bytes", tier), (
+                        f"no {tier!r} tier: this deployment's tiers are {tiers or 'none'}")))
         return problems
 
 

@@ -212,12 +212,7 @@ def _manager_of(source: Plugin | Deployment | AsyncKVManager
         raise TypeError(f"metrics need a Plugin, a Deployment or an AsyncKVManager, got "
                         f"{type(source).__name__}")
     labels = getattr(source, "tier_labels", None)
-    if labels is None:
-        # Imported here: the plugin module is not needed to export a bare manager's metrics.
-        from kvplugin.plugin import TIER_LABELS
-
-        labels = [TIER_LABELS.get(t, t) for t in mgr.tiers]
-    return mgr, list(labels)
+    return mgr, list(mgr.tiers if labels is None else labels)
 
 
 # --------------------------------------------------------------------------- collector

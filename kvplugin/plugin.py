@@ -45,7 +45,6 @@ from kvplugin.engine.layouts import build_core
 from kvplugin.registry import RegistryError, create
 
 __all__ = [
-    "TIER_LABELS",
     "Plugin",
     "TierWrapper",
     "build_connector",
@@ -55,9 +54,6 @@ __all__ = [
     "load_plugin",
     "offload_config",
 ]
-
-# Tier kinds (a connector's ``capabilities.tier``) as reports name them.
-TIER_LABELS = {"host": "memory", "disk": "disk", "remote": "redis"}
 
 TierWrapper = Callable[[Connector], Connector]
 
@@ -193,7 +189,8 @@ class Plugin:
 
     @property
     def tier_labels(self) -> list[str]:
-        return [TIER_LABELS.get(t, t) for t in self.manager.tiers]
+        """Each tier's name (``capabilities.tier``: memory, disk, redis), fastest first."""
+        return list(self.manager.tiers)
 
     async def open(self) -> Plugin:
         """Build the core, the tiers and the manager (once)."""

@@ -70,10 +70,10 @@ def test_toml_twins_validate_to_the_same_config(stem: str) -> None:
 def test_shipped_tier_layouts() -> None:
     kinds = {n: load_config(REPO / "configs" / n, env={}).offload.tier_kinds()
              for n in ("redis.yaml", "tiered.yaml", "multi_tenant.yaml")}
-    assert kinds == {"redis.yaml": ["host", "remote"], "tiered.yaml": ["host", "disk", "remote"],
-                     "multi_tenant.yaml": ["host", "disk"]}
+    assert kinds == {"redis.yaml": ["memory", "redis"], "tiered.yaml": ["memory", "disk", "redis"],
+                     "multi_tenant.yaml": ["memory", "disk"]}
     default = load_config(env={})
-    assert default.offload.tier_kinds() == ["host", "disk"] and default.offload.remote_url is None
+    assert default.offload.tier_kinds() == ["memory", "disk"] and default.offload.remote_url is None
 
 
 def test_multi_tenant_declares_quotas_and_a_shared_prefix() -> None:
@@ -83,7 +83,7 @@ def test_multi_tenant_declares_quotas_and_a_shared_prefix() -> None:
     assert cfg.workload.num_tenants == 3  # defaulted to the declared tenants
     policy = t.policy()
     assert policy.quota("acme").max_blocks_in_use == 160
-    assert dict(policy.quota("initech").max_tier_bytes) == {"host": 4194304}
+    assert dict(policy.quota("initech").max_tier_bytes) == {"memory": 4194304}
     (group,) = policy.groups
     assert (group.name, group.tenants, group.max_prefix_tokens) == (
         "shared-system", frozenset({"acme", "globex"}), 512)
@@ -134,10 +134,12 @@ INVALID: list[tuple[str, str, str, str, str]] = [
      "tenants.declared.acme.max_blocks_in_use", "Input should be greater than or equal to 0"),
     ("quota too small for one request", "a.yaml", QUOTA % "max_blocks_in_use: 8",
      "tenants.declared.acme.max_blocks_in_use", "cannot hold one request"),
-    ("quota on a tier not built", "a.yaml", QUOTA % "max_tier_bytes: {remote: 1024}",
-     "tenants.declared.acme.max_tier_bytes.remote", "no 'remote' tier"),
+    ("quota on a tier not built", "a.yaml", QUOTA % "max_tier_bytes: {redis: 1024}",
+     "tenants.declared.acme.max_tier_bytes.redis", "no 'redis' tier"),
+    ("quota on a tier's old name", "a.yaml", QUOTA % "max_tier_bytes: {host: 1024}",
+     "tenants.declared.acme.max_tier_bytes.host", "the 'host' tier is now named 'memory'"),
     ("quota on an unknown tier", "a.yaml", QUOTA % "max_tier_bytes: {gpu: 1024}",
-     "tenants.declared.acme.max_tier_bytes.gpu", "this deployment's tiers are ['host', 'disk']"),
+     "tenants.declared.acme.max_tier_bytes.gpu", "this deployment's tiers are ['memory', 'disk']"),
     ("group with undeclared tenant", "a.yaml",
      "tenants:\n  declared: {acme: {}}\n  prefix_groups:\n"
      "    - {name: g, tenants: [acme, bob], max_prefix_tokens: 512}\n",

@@ -135,11 +135,11 @@ async def test_registry_equals_the_managers_counters() -> None:
         mgr = dep.mgr
         v = parse(generate_latest(build_registry(dep)).decode())
         s, ts, tiers = mgr.stats(), mgr.tenant_stats(), mgr.tier_stats()
-        assert dep.tier_labels == ["memory", "disk"] and mgr.tiers == ("host", "disk")
+        assert dep.tier_labels == ["memory", "disk"] and mgr.tiers == ("memory", "disk")
         label = dict(zip(mgr.tiers, dep.tier_labels, strict=True))
         # The scenario exercises what is checked: device and both tiers hit, loads ran.
         assert s.local_hit_tokens > 0 and s.loads > 0
-        assert s.hit_tokens_by_tier.get("host", 0) > 0 and s.hit_tokens_by_tier.get("disk", 0) > 0
+        assert s.hit_tokens_by_tier.get("memory", 0) > 0 and s.hit_tokens_by_tier.get("disk", 0) > 0
 
         for name, attr in (("kvplugin_tier_lookups_total", "lookups"),
                            ("kvplugin_lookup_timeouts_total", "lookup_timeouts"),
@@ -168,7 +168,7 @@ async def test_registry_equals_the_managers_counters() -> None:
                 assert value(v, "kvplugin_stored_bytes_total", tier=label[tier], tenant=t) == n
             assert value(v, "kvplugin_tenant_blocks_in_use", tenant=t) == st.blocks_in_use
         hits = by_label(v, "kvplugin_hit_tokens_total", "tier")
-        assert hits == {"device": s.local_hit_tokens, "memory": s.hit_tokens_by_tier["host"],
+        assert hits == {"device": s.local_hit_tokens, "memory": s.hit_tokens_by_tier["memory"],
                         "disk": s.hit_tokens_by_tier["disk"]}
         # The run report's sources agree (it labels tiers the same way).
         es = dep.engine.stats

@@ -184,7 +184,7 @@ def test_the_manager_gets_the_configs_tenant_policy() -> None:
             mgr = plugin.manager
             policy = mgr.tenants.policy
             assert sorted(policy.tenants or {}) == ["acme", "globex", "initech"]
-            assert dict(policy.quota("globex").max_tier_bytes) == {"host": 16777216,
+            assert dict(policy.quota("globex").max_tier_bytes) == {"memory": 16777216,
                                                                    "disk": 67108864}
             with pytest.raises(ValueError, match="unknown tenant 'mallory'"):
                 mgr.new_request("r1", list(range(64)), tenant="mallory")
@@ -244,7 +244,7 @@ def test_extra_connectors_come_after_the_built_in_tiers(tmp_path: Path) -> None:
     async def main(path: Path) -> tuple[str, ...]:
         async with load_plugin(path, env={}) as plugin:
             return plugin.manager.tiers
-    assert asyncio.run(main(f)) == ("host", "tiny")
+    assert asyncio.run(main(f)) == ("memory", "tiny")
     # A quota on a tier no connector has: only the built manager can tell.
     bad = tiny_config(tmp_path, f"{MODULE}:TinyConnector",
                       "tenants:\n  default_quota:\n    max_tier_bytes: {disk: 1}\n")
@@ -325,7 +325,7 @@ def test_an_installed_packages_entry_point(tmp_path: Path) -> None:
     async def main() -> tuple[str, ...]:
         async with load_plugin(f, env={}) as plugin:
             return plugin.manager.tiers
-    assert asyncio.run(main()) == ("host", "disk", "tinyfs")
+    assert asyncio.run(main()) == ("memory", "disk", "tinyfs")
 
 
 def test_register_and_create_misuse() -> None:
@@ -349,4 +349,4 @@ def test_register_and_create_misuse() -> None:
     with pytest.raises(RegistryError, match="it takes: url, prefix, ttl_seconds"):
         registry.create("redis", {"host": "x"})
     redis = registry.create("redis", {"url": "redis://127.0.0.1:1/0", "prefix": "t:"})
-    assert redis.capabilities.tier == "remote"
+    assert redis.capabilities.tier == "redis"

@@ -67,8 +67,9 @@ RULES = {
         "A prefix group's tenants are declared (when `declared` is given); group names are "
         "unique.",
         "`max_blocks_in_use` holds one request of `layout.max_model_len` tokens.",
-        "`max_tier_bytes` names tiers this deployment builds: `host` (memory), `disk`, "
-        "`remote` (Redis); with `offload.enabled: false` tier quotas are ignored.",
+        "`max_tier_bytes` names tiers this deployment builds: `memory`, `disk`, `redis` "
+        "(the names every report and metric uses); with `offload.enabled: false` tier quotas "
+        "are ignored.",
         "For the reference engine's workload (`kvplugin run`, `validate-config`; not "
         "`load_plugin`): with `declared`, `workload.num_tenants` is their number (leave it "
         "out); under the open policy a group's members are workload tenants (`tenant0` ..); "

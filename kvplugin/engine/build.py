@@ -16,7 +16,6 @@ from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
 from kvplugin.plugin import (
-    TIER_LABELS,
     TierWrapper,
     build_connector,
     build_tiers,
@@ -27,7 +26,6 @@ from kvplugin.plugin import (
 )
 
 __all__ = [
-    "TIER_LABELS",
     "Deployment",
     "TierWrapper",
     "build_connector",
@@ -113,7 +111,7 @@ class Deployment:
 
     @property
     def tier_labels(self) -> list[str]:
-        return [TIER_LABELS.get(t, t) for t in self.mgr.tiers]
+        return list(self.mgr.tiers)
 
     def faults_injected(self) -> dict[str, int]:
         """What the fault drill injected so far, summed over the tiers."""

@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["StoredObject", "medium_of", "new_events", "stored_event"]
 
 # Tier kinds (kvplugin.config) -> vLLM's media: host memory is "CPU", the rest "STORAGE".
-_MEDIA = {"host": "CPU"}
+_MEDIA = {"memory": "CPU"}
 
 
 def medium_of(tier_kinds: list[str]) -> str:

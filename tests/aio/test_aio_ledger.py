@@ -166,7 +166,7 @@ async def test_manager_books_a_partial_load_and_its_recomputation() -> None:
         await serve(mgr, model, mgr.new_request("a", PROMPT, tenant="acme"))
         await mgr.drain()
         evict_device_cache(mgr)
-        assert _ledger(mgr) == {"device": 0, "host": 0, "computed": 30, "recomputed": 0,
+        assert _ledger(mgr) == {"device": 0, "memory": 0, "computed": 30, "recomputed": 0,
                                 "unprocessed": 0}
         probe = mgr.new_request("p", PROMPT, tenant="acme")
         bad = mgr.keyspace.chunk_keys("acme", 0, probe.block_hashes, 3, 4)[0]
@@ -174,7 +174,7 @@ async def test_manager_books_a_partial_load_and_its_recomputation() -> None:
         await mem.write_raw(bad, b"\x00" * 100, timeout=1)
         b = mgr.new_request("b", PROMPT, tenant="acme")
         adm = mgr.allocate(b, await mgr.lookup(b))
-        assert adm is not None and adm.external_by_tier == {"host": 28}
+        assert adm is not None and adm.external_by_tier == {"memory": 28}
         assert (await mgr.wait_load(b)).status is LoadStatus.PARTIAL
         rest = mgr.allocate(b)
         assert rest is not None
@@ -185,12 +185,12 @@ async def test_manager_books_a_partial_load_and_its_recomputation() -> None:
         total = mgr.ledger.totals()
         # a: 30 computed; p: 30 unprocessed; b: 3 blocks verified from the host, the
         # claim's other 16 tokens recomputed after the failed load, the last 2 computed.
-        assert dict(total.sources) == {"device": 0, "host": 12, "computed": 32,
+        assert dict(total.sources) == {"device": 0, "memory": 12, "computed": 32,
                                        "recomputed": 16, "unprocessed": 30}
         assert dict(total.recomputed_after) == {"preemption": 0, "failed_load": 16}
         assert total.prompt_tokens == 90 and total.requests == 3
         # The per-query view books b's claim of 28 at the host.
-        assert mgr.stats().hit_tokens_by_tier == {"host": 28}
+        assert mgr.stats().hit_tokens_by_tier == {"memory": 28}
 
 
 @pytest.mark.asyncio
@@ -210,7 +210,7 @@ async def test_manager_books_a_preempted_request_once() -> None:
         a.status = RequestStatus.FINISHED_STOPPED
         mgr.finish(a)
         total = mgr.ledger.totals()
-        assert dict(total.sources) == {"device": 16, "host": 0, "computed": 14,
+        assert dict(total.sources) == {"device": 16, "memory": 0, "computed": 14,
                                        "recomputed": 0, "unprocessed": 0}
         assert total.discarded_tokens == 16
         # Per query: two admissions, 16 device hit tokens on the second.
@@ -239,7 +239,7 @@ async def test_manager_books_a_failed_request_and_one_finished_while_loading() -
         mgr.finish(c)  # while its load runs: nothing of the claim is booked
         await mgr.drain()
         per = mgr.ledger.per_tenant()
-        assert dict(per["acme"].sources) == {"device": 0, "host": 8, "computed": 30,
+        assert dict(per["acme"].sources) == {"device": 0, "memory": 8, "computed": 30,
                                              "recomputed": 0, "unprocessed": 30 + 22 + 30}
         assert dict(per["zen"].sources)["unprocessed"] == 30
         assert sum(b.prompt_tokens for b in per.values()) == mgr.ledger.totals().prompt_tokens

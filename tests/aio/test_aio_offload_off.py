@@ -28,7 +28,7 @@ class NeverHits(Connector):
     """A tier that accepts every put and never holds anything."""
 
     name = "void"
-    capabilities = Capabilities(tier="host", persistent=False, shared=False)
+    capabilities = Capabilities(tier="memory", persistent=False, shared=False)
 
     def __init__(self) -> None:
         self.calls = 0
@@ -261,7 +261,7 @@ async def test_misuse_still_raises() -> None:
 @pytest.mark.asyncio
 async def test_tenants_and_groups_work_without_tiers() -> None:
     policy = TenantPolicy(
-        {"acme": TenantQuota(max_tier_bytes={"host": 1}), "zen": TenantQuota()},
+        {"acme": TenantQuota(max_tier_bytes={"memory": 1}), "zen": TenantQuota()},
         groups=[PrefixGroup("shared", frozenset({"acme", "zen"}), max_prefix_tokens=12)])
     # A tier quota cannot bind with nothing stored: the config stays valid with offload off.
     async with _off_twin(make_manager(), tenants=policy) as mgr:

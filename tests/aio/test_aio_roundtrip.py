@@ -40,7 +40,7 @@ async def test_stored_blocks_come_back_byte_exact(mode: StoreMode) -> None:
         assert (found.local_tokens, found.external_tokens) == (0, 28)
         adm = mgr.allocate(b, found)
         assert adm is not None and adm.loading and adm.num_new_tokens == 0
-        assert adm.external_by_tier == {"host": 28}
+        assert adm.external_by_tier == {"memory": 28}
         outcome = await mgr.wait_load(b)
         assert outcome.status is LoadStatus.LOADED
         assert (outcome.loaded_tokens, b.num_computed_tokens) == (28, 28)
@@ -56,7 +56,7 @@ async def test_stored_blocks_come_back_byte_exact(mode: StoreMode) -> None:
         assert free_blocks(mgr) == all_blocks(mgr) and mgr.num_pending_jobs == 0
         stats = mgr.stats()
         assert stats.loads == 1 and stats.loaded_chunks == 7 and stats.loads_failed == 0
-        assert stats.hit_tokens_by_tier == {"host": 28} and stats.external_hit_tokens == 28
+        assert stats.hit_tokens_by_tier == {"memory": 28} and stats.external_hit_tokens == 28
 
 
 @pytest.mark.asyncio
@@ -118,8 +118,8 @@ async def test_hits_are_attributed_to_the_tier_that_serves_them() -> None:
         found = await mgr.lookup(b)
         assert found.levels == ((0, 0, 0, 1, 1, 1, 1),)
         adm = mgr.allocate(b, found)
-        assert adm is not None and adm.external_by_tier == {"host": 28}
-        assert mgr.tiers == ("host", "host")
+        assert adm is not None and adm.external_by_tier == {"memory": 28}
+        assert mgr.tiers == ("memory", "memory")
         assert (await mgr.wait_load(b)).status is LoadStatus.LOADED
         assert model.check_pages(b, 28) == 7
         mgr.finish(b)

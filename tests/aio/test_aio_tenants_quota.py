@@ -39,9 +39,9 @@ def make(policy: TenantPolicy | None = None, *, num_blocks: int = 32,
     kv = layout(num_blocks)
     core = KVCacheManager(kv, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS,
                           log_stats=True)
-    conn: Any = _tier("host", host)
+    conn: Any = _tier("memory", host)
     if remote is not None:
-        conn = TieredConnector([conn, _tier("remote", remote)])
+        conn = TieredConnector([conn, _tier("redis", remote)])
     return AsyncKVManager(core, conn, OffloadConfig(model="org/tiny-model", **config),
                           tenants=policy)
 
@@ -127,7 +127,7 @@ async def test_identical_prompts_get_no_cross_tenant_hit_at_any_tier() -> None:
         a_keys = mgr.keyspace.chunk_keys("acme", 0, a1.block_hashes, 0, 7)
         assert await host.lookup(a_keys, timeout=1) == await remote.lookup(a_keys, timeout=1) == 7
         evict_device_cache(mgr)
-        for level, tier in enumerate(("host", "remote")):
+        for level, tier in enumerate(("memory", "redis")):
             e = mgr.new_request(f"e-{tier}", prompt, tenant="evil2")
             assert (await mgr.lookup(e)).external_tokens == 0  # nothing at this tier either
             mgr.finish(e)
@@ -140,9 +140,9 @@ async def test_identical_prompts_get_no_cross_tenant_hit_at_any_tier() -> None:
             if level == 0:
                 await host.delete(a_keys, timeout=1)  # next round: only the remote has them
         ts = assert_sums(mgr)
-        assert ts["evil"].hit_tokens == {"device": 0, "host": 0, "remote": 0}
-        assert ts["evil2"].hit_tokens == {"device": 0, "host": 0, "remote": 0}
-        assert ts["acme"].hit_tokens == {"device": 0, "host": 24, "remote": 24}
+        assert ts["evil"].hit_tokens == {"device": 0, "memory": 0, "redis": 0}
+        assert ts["evil2"].hit_tokens == {"device": 0, "memory": 0, "redis": 0}
+        assert ts["acme"].hit_tokens == {"device": 0, "memory": 24, "redis": 24}
         clean(mgr)
 
 
@@ -344,7 +344,7 @@ async def test_cached_quota_keeps_the_prefix() -> None:
 
 @pytest.mark.asyncio
 async def test_tier_byte_quota_sheds_whole_offers_in_flight_counted() -> None:
-    policy = TenantPolicy({"a": TenantQuota(max_tier_bytes={"host": 9 * PAGE}),
+    policy = TenantPolicy({"a": TenantQuota(max_tier_bytes={"memory": 9 * PAGE}),
                            "b": TenantQuota()})
     async with make(policy) as mgr:
         model = FakeModel(mgr)
@@ -369,7 +369,7 @@ async def test_tier_byte_quota_sheds_whole_offers_in_flight_counted() -> None:
         ts = assert_sums(mgr)
         a = ts["a"]
         assert (a.stored_chunks, a.stored_bytes, a.stored_bytes_by_tier) == (9, 9 * PAGE,
-                                                                            {"host": 9 * PAGE})
+                                                                            {"memory": 9 * PAGE})
         assert (a.stores_shed, a.stores_shed_quota) == (3 + 1, 3 + 1)
         assert (ts["b"].stored_chunks, ts["b"].stores_shed) == (10, 0)
         assert len(mgr.connector) == 9 + 10  # type: ignore[arg-type]
@@ -433,7 +433,7 @@ async def _drive(mgr: AsyncKVManager, ops: list[tuple[int, int, int]]) -> list[A
                 min_size=1, max_size=25))
 def test_quotas_off_change_no_block_id(ops: list[tuple[int, int, int]]) -> None:
     never = TenantQuota(max_blocks_in_use=10_000, max_cached_blocks=10_000,
-                        max_tier_bytes={"host": 1 << 40})
+                        max_tier_bytes={"memory": 1 << 40})
     policies = [None, TenantPolicy(), TenantPolicy(default_quota=never),
                 TenantPolicy({t: TenantQuota() for t in "abc"})]
 
@@ -477,7 +477,7 @@ async def test_per_tenant_stats_count_and_sum_including_failed_loads() -> None:
         assert (a.requests, a.prompt_tokens, b.requests, b.prompt_tokens) == (2, 56, 1, 16)
         assert (a.loads, a.loads_failed, a.loaded_bytes) == (1, 1, 3 * PAGE)
         assert (a.stored_chunks, b.stored_chunks, b.loads) == (7, 4, 0)
-        assert a.hit_tokens == {"device": 0, "host": 24}
+        assert a.hit_tokens == {"device": 0, "memory": 24}
         assert a.blocks_in_use == b.blocks_in_use == 0 and a.cached_blocks is None
         with pytest.raises(dataclasses.FrozenInstanceError):
             a.loads = 0  # type: ignore[misc]
@@ -509,5 +509,5 @@ async def test_unknown_and_invalid_tenants_are_clear_errors() -> None:
         TenantQuota(max_blocks_in_use=-1)
     with pytest.raises(ValueError, match="no tenants"):
         PrefixGroup("g", frozenset(), 8)
-    with pytest.raises(ValueError, match=r"unknown tiers \['disk'\].*\['host'\]"):
+    with pytest.raises(ValueError, match=r"unknown tiers \['disk'\].*\['memory'\]"):
         make(TenantPolicy(default_quota=TenantQuota(max_tier_bytes={"disk": 1})))

@@ -240,10 +240,10 @@ async def test_health(subject: Subject) -> None:
 async def test_capabilities_are_declared(subject: Subject) -> None:
     caps = subject.conn.capabilities
     expected = {
-        "memory": "host",
+        "memory": "memory",
         "disk": "disk",
         "disk_threads": "disk",
-        "redis": "remote",
+        "redis": "redis",
         "tiered": "tiered",
     }
     assert caps.tier == expected[subject.kind]

@@ -82,7 +82,7 @@ async def test_tenants_with_identical_prompts_never_share_kv() -> None:
         assert dep.mgr.core.reset_prefix_cache()
         # From the tier: each tenant gets its own objects back, and the KV checks pass.
         await serve_all(eng, [("b2", prompt, "globex", 2), ("a3", prompt, "acme", 2)])
-        assert eng.stats.tier_hit_tokens["host"] == 2 * 36
+        assert eng.stats.tier_hit_tokens["memory"] == 2 * 36
         assert dep.model.pages_checked > 0
         assert dep.model.cross_tenant_hits == 0 and dep.model.kv_mismatches == 0
         await dep.mgr.drain()

@@ -100,7 +100,7 @@ async def test_a_request_is_parked_while_its_kv_loads() -> None:
         eng.stop()
         await runner
         assert res_c.status is res_b.status is RequestStatus.FINISHED_LENGTH_CAPPED
-        assert eng.stats.parked == 1 and eng.stats.tier_hit_tokens == {"host": 48}
+        assert eng.stats.parked == 1 and eng.stats.tier_hit_tokens == {"memory": 48}
         assert dep.mgr.stats().loaded_chunks == 12
         # The loaded pages were checked against recomputation (12 blocks), and matched.
         assert dep.model.pages_checked >= 12 and dep.model.kv_mismatches == 0
@@ -136,6 +136,6 @@ async def test_a_lookup_made_stale_by_evictions_is_redone_before_admission() -> 
         eng.stop()
         await runner
         assert eng.stats.lookup_refreshes == 1
-        assert eng.stats.tier_hit_tokens == {"host": 48}
+        assert eng.stats.tier_hit_tokens == {"memory": 48}
         assert eng.stats.computed_prompt_tokens == 50 + 2
         assert dep.model.kv_mismatches == 0 and dep.model.pages_checked == 12

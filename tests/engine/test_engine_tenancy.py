@@ -63,7 +63,7 @@ async def test_a_groups_prefix_is_a_clean_hit_for_members_and_nothing_for_others
         await _one(dep, "b3", "globex", "g")
         await _one(dep, "c2", "initech")
         # Each all but its last block: b3 the group's prefix and its own part, c2 its own.
-        assert es.tier_hit_tokens == {"host": 20 + 20}
+        assert es.tier_hit_tokens == {"memory": 20 + 20}
         assert (model.kv_mismatches, model.cross_tenant_hits) == (0, 0)
         assert model.pages_checked == 4 + 5 + 5 + 5
         await dep.mgr.drain()

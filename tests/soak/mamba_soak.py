@@ -200,7 +200,7 @@ class MambaSoak:
         for inj in injectors:
             for k in ("errors", "delays", "dropped", "corrupted"):
                 out.faults_injected[k] = out.faults_injected.get(k, 0) + getattr(inj.injected, k)
-            if inj.capabilities.tier == "remote":
+            if inj.capabilities.tier == "redis":
                 out.redis_stored = inj.stats().stored
         return out
 

@@ -93,7 +93,7 @@ def test_faults_section_wraps_every_tier() -> None:
             return list(dep.injectors)
 
     injectors = asyncio.run(tiers(cfg))
-    assert [i.inner.capabilities.tier for i in injectors] == ["host", "disk"]
+    assert [i.inner.capabilities.tier for i in injectors] == ["memory", "disk"]
     p = injectors[0].plan
     assert (p.error_rate, p.corrupt_write_rate) == (0.1, 0.1) == (plan.kind_rate("error"),
                                                                   plan.kind_rate("corrupt"))
