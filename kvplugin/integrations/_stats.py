@@ -23,6 +23,8 @@ COUNTERS = {
                        "(damaged, truncated, another model's or tenant's): a visible miss",
     "objects_stored": "objects every tier write of a store confirmed",
     "stores_failed": "stores that did not complete (a tier error or timeout)",
+    "stores_withheld": "objects not stored because their step read a block whose load "
+                       "failed (their KV was computed from it: vLLM computes them again)",
     "bytes_loaded": "payload bytes copied into vLLM's KV cache",
     "bytes_stored": "payload bytes of confirmed stores",
 }

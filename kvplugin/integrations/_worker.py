@@ -159,7 +159,15 @@ class WorkerSide:
         """Copy this step's objects out of the KV tensors (the device may reuse the blocks
         at once) and hand them to the tiers; the puts finish in the background."""
         meta = self._get_connector_metadata()
+        failed = self._w.load_errors  # this step's: vLLM collects them after the save
         for spec in meta.saves:
+            if failed and not failed.isdisjoint(spec.reads):
+                # Computed from a block whose bytes never arrived: storing it would put
+                # wrong KV under the right key, for every later engine to load.
+                logger.debug("kvplugin: store of %s withheld: it read a failed load",
+                             spec.req_id)
+                self._w.stats.add("stores_withheld", len(spec.pieces))
+                continue
             items = self._items_out(spec.pieces)
             rt = self._tiers
             fut = rt.loop.submit(rt.connector.put(items, timeout=rt.timeouts.store))

@@ -112,10 +112,14 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Store ``pieces`` (chunks first, then the states they make restorable)."""
+    """Store ``pieces`` (chunks first, then the states they make restorable). ``reads``:
+    the blocks of this step's synchronous loads that the request's table holds (its own
+    claim, or another request's it hit on the device): when one of them fails, this step
+    computed the pieces from bytes that never arrived, and they are withheld."""
 
     req_id: str
     pieces: list[Piece]
+    reads: tuple[int, ...] = ()
 
 
 class KVPluginConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -391,6 +395,7 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
             if st is not None:
                 if st.settle:
                     self._admit(st, st.request.num_computed_tokens)
+                self._rewind(st)
                 self._plan_save(st, st.request.num_computed_tokens + n, meta,
                                 offers.pop(rid, ()), rid not in gone)
         for rid, rest in offers.items():  # offers of requests not scheduled this step
@@ -398,7 +403,29 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
             if st is not None:
                 self._plan_save(st, st.request.num_computed_tokens, meta, rest,
                                 rid not in gone)
+        self._mark_reads(meta)
         return meta
+
+    def _rewind(self, st: _ReqState) -> None:
+        """vLLM took computed tokens back (a failed load, recomputed from its first bad
+        block): the chunks from there are computed again and offered again (the worker
+        withheld what the failed step computed)."""
+        done = st.request.num_computed_tokens
+        for g in self._layout.chunked_groups:
+            st.next_chunk[g] = min(st.next_chunk[g], done // self._layout.chunk_tokens(g))
+        st.known_until = min(st.known_until, done)
+
+    def _mark_reads(self, meta: KVPluginConnectorMetadata) -> None:
+        """Name in each store the blocks of this step's synchronous loads its request
+        reads (see :class:`SaveSpec`). Synchronous loads only serve one-group layouts, so
+        block ids are the first group's."""
+        loaded = {b for spec in meta.loads if not spec.is_async
+                  for p in spec.pieces for b in p.block_ids}
+        if not loaded or self._kvm is None:
+            return
+        for spec in meta.saves:
+            table = self._kvm.get_block_ids(spec.req_id)
+            spec.reads = tuple(b for b in table[0] if b in loaded) if table else ()
 
     def _plan_save(self, st: _ReqState, computed_after: int, meta: KVPluginConnectorMetadata,
                    offers: Any = (), alive: bool = True) -> None:

@@ -20,8 +20,8 @@ from connectors.faults import LocalRedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
-ALL = ["disk", "redis", "corrupt", "async", "preempt", "native", "dead", "multiturn", "events",
-       "pages",
+ALL = ["disk", "redis", "corrupt", "poison", "async", "preempt", "native", "dead", "multiturn",
+       "events", "pages",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
        "mamba_preempt_alone", "refusals", "mla", "mla_corrupt", "native_mla", "local",
@@ -104,6 +104,21 @@ def test_corrupt_object_is_a_load_error_and_vllm_recomputes(results: dict[str, A
     assert rec["loads"] == [{"req": "b", "first_token": 0, "blocks": 5, "async": False,
                              "verified": 2, "mismatched": 0, "invalid": 3}]
     assert rec["invalid_blocks"] == 3
+
+
+def test_kv_computed_over_a_failed_load_is_never_stored(results: dict[str, Any]) -> None:
+    rec = results["poison"]
+    _check_invariants(rec, sorted([*EVICTING, "c", "g0", "g1", "g2", "g3"]))
+    # b's load failed at its third chunk; the step that loaded it also computed b's sixth
+    # chunk over the blocks that never arrived (the fake model's attention makes that KV
+    # wrong). That store is withheld, b's recomputation stores the chunk again, and c,
+    # asking b's prompt once every block of b left the device, loads all six chunks right.
+    assert rec["loads"] == [
+        {"req": "b", "first_token": 0, "blocks": 5, "async": False, "verified": 2,
+         "mismatched": 0, "invalid": 3},
+        {"req": "c", "first_token": 0, "blocks": 6, "async": False, "verified": 6,
+         "mismatched": 0, "invalid": 0}]
+    assert rec["worker_stats"]["stores_withheld"] == 1
 
 
 def test_async_load_waits_for_remote_kvs(results: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ import yaml
 BS = 16  # tokens per attention block (and per hash block)
 MAMBA_BS = 64  # tokens per Mamba block
 WINDOW = 32  # the sliding window
+POISON = 0.5  # added to KV computed over a prefix that holds wrong bytes
 HEADS, HEAD = 2, 4
 LAYERS = ["layer0", "layer1"]  # the full-attention group's layers
 SECOND = ["layer2", "layer3"]  # the second group's layers
@@ -307,6 +308,7 @@ class Runner:
         self.state_mismatches = 0
         self.steps = 0
         self.before_load: Any = None  # hook(spec): the test corrupts objects here
+        self.worker_stats: dict[str, int] = {}  # the connector's counters, summed
         self.hasher: Any = None
 
     @property
@@ -391,10 +393,14 @@ class Runner:
             end = req.num_computed_tokens
             start = end - n
             attn = [0, 1] if self.layout in ("swa", "local") else [0]
+            # Attention reads the prefix: KV computed over a wrong prefix is wrong too (a
+            # distinct value, so a store of it is caught where it is loaded).
+            off = POISON if self.layout == "full" and not self._prefix_ok(
+                toks, table[0], start) else 0.0
             for p in range(start, end):
                 for g in attn:
                     self.write_token(g, table[g][p // BS], p % BS,
-                                     group_value(toks[p], p, g, self.layout))
+                                     group_value(toks[p], p, g, self.layout) + off)
             if self.layout == "mamba":
                 if start > 0:
                     bid = table[1][-(start // -MAMBA_BS) - 1]
@@ -406,6 +412,16 @@ class Runner:
                 for li, name in enumerate(SECOND):
                     self._blocks(name, bid).reshape(-1)[:STATE_BYTES].view(torch.uint8)[:] = (
                         rows[li])
+
+    def _prefix_ok(self, toks: Any, ids: list[int], start: int) -> bool:
+        """Whether the full-attention blocks below ``start`` hold the prefix's KV."""
+        for b in range(-(start // -BS)):
+            n = min(BS, start - b * BS)
+            want = torch.stack([group_value(toks[q], q, 0, self.layout)
+                                for q in range(b * BS, b * BS + n)])
+            if not torch.equal(self.block(0, ids[b])[:n], want):
+                return False
+        return True
 
     def step(self, so: Any) -> Any:
         from vllm.v1.outputs import KVConnectorOutput
@@ -439,6 +455,9 @@ class Runner:
         res = self.w.get_transfer_results(set(so.finished_req_ids))
         invalid = self.w.get_block_ids_with_load_errors()
         events = self.w.get_kv_connector_kv_cache_events()
+        stats = self.w.get_kv_connector_stats()
+        for k, v in (stats.data if stats is not None else {}).items():
+            self.worker_stats[k] = self.worker_stats.get(k, 0) + v
         self.invalid_total |= invalid
         self.failed_total |= res.failed_recving
         for spec in meta.loads:

@@ -83,7 +83,8 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
             "saved_chunks": runner.saved_chunks,
             "saved_pieces": {str(g): n for g, n in sorted(runner.saved_pieces.items())},
             "states_checked": runner.states_checked,
-            "state_mismatches": runner.state_mismatches, "computed": dict(runner.computed)}
+            "state_mismatches": runner.state_mismatches, "computed": dict(runner.computed),
+            "worker_stats": dict(runner.worker_stats)}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -126,6 +127,7 @@ SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
     "disk": ("full", "disk", "evict_bad_salt", False, 24),
     "redis": ("full", "redis", "evict", False, 24),
     "corrupt": ("full", "disk", "evict", False, 24),
+    "poison": ("full", "disk", "evict_reload", False, 24),
     "async": ("full", "disk", "evict", True, 24),
     "preempt": ("full", "disk", "preempt", False, 12),
     "dead": ("full", "dead", "evict", False, 24),
@@ -151,6 +153,15 @@ HYBRID = ("mamba_diverge", "mamba_diverge_exact", "mamba_preempt_alone")
 def workload_of(name: str) -> list[dict[str, Any]]:
     if name == "multiturn":
         return multiturn_workload()
+    if name == "evict_reload":
+        # b, then fillers that push b's blocks out too, then c asking b's prompt again: c
+        # loads every chunk b left in the tier, including the ones b computed itself.
+        wl = evicting_workload()
+        b = next(r for r in wl if r["id"] == "b")
+        wl += [{"id": f"g{i}", "prompt": prompt(30 + i, 100), "arrival": 60 + 3 * i,
+                "max_tokens": 2} for i in range(4)]
+        wl.append({"id": "c", "prompt": b["prompt"], "arrival": 100, "max_tokens": 2})
+        return wl
     if name == "preempt":
         return [{"id": f"p{i}", "prompt": prompt(50 + i, 64), "arrival": 0, "max_tokens": 60}
                 for i in range(2)]
@@ -360,7 +371,7 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
     if events:  # vLLM's publisher, replaced: the events still come through its scheduler
         scheduler.kv_event_publisher = capture
     conn, worker = scheduler.get_kv_connector(), runner.w
-    if name.endswith("corrupt"):
+    if name.endswith("corrupt") or name == "poison":
         def corrupt(spec: Any) -> None:
             # Damage the third object of b's load after the lookup found it.
             if spec.req_id == "b":
