@@ -66,7 +66,8 @@ def soak_config(*, requests: int, seed: int, redis_url: str, fault_rate: float =
         "model": {"num_layers": 2, "num_kv_heads": 1, "head_size": 8},
         "offload": {"chunk_size": 4, "max_local_cpu_size": 0.0015, "local_disk": "temp://",
                     "max_local_disk_size": 0.004, "remote_url": redis_url},
-        "engine": {"prefill_token_ms": 0.0, "decode_step_ms": 0.0},
+        # Real time: the soak is after the interleavings real I/O timing produces.
+        "engine": {"prefill_token_ms": 0.0, "decode_step_ms": 0.0, "deterministic": False},
         "limits": {"max_num_batched_tokens": 128, "max_num_seqs": 16},
         "workload": {"num_requests": requests, "seed": seed, "num_tenants": tenants,
                      "requests_per_s": requests_per_s, "system_prompt_len": [8, 48],

@@ -125,6 +125,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.strict:
         cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(
             update={"require_tiers": True})})
+    if args.realtime:
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
+            update={"deterministic": False})})
     source = (args.config or os.environ.get("KVPLUGIN_CONFIG_FILE")
               or "the embedded default config")
     if args.compare_no_offload and not cfg.offload.enabled:
@@ -284,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strict", action="store_true",
                      help="a tier that does not answer at start is an error (exit 2), not a "
                           "warning (offload.require_tiers)")
+    run.add_argument("--realtime", action="store_true",
+                     help="serve in real time: each I/O lands when it completes, so hits and "
+                          "TTFT vary with this machine's timing (default: simulated time, "
+                          "the same seed gives the same run; engine.deterministic)")
     run.add_argument("--json", action="store_true",
                      help="print the report as one JSON object (the last line)")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

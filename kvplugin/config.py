@@ -429,6 +429,11 @@ class EngineConfig(_Strict):
     decode_step_ms: float = Field(default=1.0, ge=0,
                                   description="simulated model time of a step with decodes, ms")
     uvloop: bool = Field(default=True, description="use uvloop when it is installed")
+    deterministic: bool = Field(
+        default=True, description="simulated time: every lookup, load and store settles "
+                                  "at the step boundary, so the same seed gives the same "
+                                  "hits, ledger and TTFT (false: real time, the I/O lands "
+                                  "when it completes and the figures vary with timing)")
     lag_probe_ms: float = Field(default=5.0, gt=0, description="period of the event-loop "
                                                                "lag probe, ms")
 

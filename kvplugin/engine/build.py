@@ -12,6 +12,7 @@ from connectors.base import Connector
 from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
+from kvplugin.engine.clock import RealClock, SimClock
 from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
@@ -135,9 +136,11 @@ async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = No
     async with load_plugin(cfg, wrap_tiers=wrap_tiers) as plugin:
         mgr = plugin.manager
         e = cfg.engine
+        clock = SimClock() if e.deterministic else RealClock()
         model = FakeModel(mgr.memory, StepCosts(e.prefill_token_ms / 1000,
-                                                e.decode_step_ms / 1000), cfg.workload.vocab)
-        engine = Engine(mgr, model, limits_of(cfg))
+                                                e.decode_step_ms / 1000), cfg.workload.vocab,
+                          clock)
+        engine = Engine(mgr, model, limits_of(cfg), clock)
         try:
             yield Deployment(mgr, model, engine, plugin.connector, plugin.injectors)
         finally:

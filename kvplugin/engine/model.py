@@ -53,6 +53,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from kvplugin.aio.memory import HostKVMemory, PageShape, StateShape
+from kvplugin.engine.clock import Clock, RealClock
 
 __all__ = ["SEGMENT", "SLICE_BYTES", "CheckResult", "FakeModel", "KVIdentity", "StepCosts",
            "Work"]
@@ -245,9 +246,10 @@ class FakeModel:
     computes while the host waits."""
 
     def __init__(self, memory: HostKVMemory, costs: StepCosts | None = None,
-                 vocab: int = 32000) -> None:
+                 vocab: int = 32000, clock: Clock | None = None) -> None:
         self.memory = memory
         self.costs = costs or StepCosts()
+        self.clock = clock or RealClock()  # a step's cost is slept, or simulated
         self.vocab = vocab
         self._seqs: dict[str, _Chain] = {}
         self._identities: dict[KVIdentity, None] = {}  # of every request seen, in order
@@ -308,8 +310,7 @@ class FakeModel:
         writes: the engine's checks of hits on blocks this very step computes), and return
         once the step's simulated time (counted from the start) is over: a token for each
         request whose last token was computed (None otherwise)."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = self.clock.now()
         cost = self.costs.of(sum(w.num_tokens for w in work if not w.decode),
                              sum(w.decode for w in work))
         sampled: list[int | None] = []
@@ -321,7 +322,7 @@ class FakeModel:
             await then()
         self.steps += 1
         self.busy_s += cost
-        await asyncio.sleep(max(0.0, t0 + cost - loop.time()))
+        await self.clock.elapse(t0, cost)
         return sampled
 
     def _compute(self, w: Work) -> Generator[None, None, int | None]:

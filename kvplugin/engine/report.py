@@ -11,12 +11,32 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvplugin.engine.workload import RequestSpec
 
-__all__ = ["CONTRACT_KEYS", "RunReport", "Sample", "TenantRow", "compare_table", "comparison",
-           "ledger_errors", "percentile"]
+__all__ = [
+    "CONTRACT_KEYS",
+    "DECIDED_KEYS",
+    "RunReport",
+    "Sample",
+    "TenantRow",
+    "compare_table",
+    "comparison",
+    "decided",
+    "ledger_errors",
+    "percentile",
+]
 
 CONTRACT_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens", "hit_tokens",
                  "loads", "load_failures", "stores", "stores_shed", "kv_mismatches",
                  "cross_tenant_hits", "leaked_blocks", "loop_lag_p99_ms", "wall_s")
+
+# The figures a deterministic run (engine.deterministic) decides: the same for the same seed
+# on the same starting state of the tiers. The rest (wall_s, loop_lag_p99_ms, step_ms_*)
+# measure this machine's real time and vary.
+DECIDED_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens",
+                "hit_tokens", "token_ledger", "recomputed_after", "discarded_tokens",
+                "prefill_work_tokens", "loads", "load_failures", "stores", "stores_shed",
+                "steps", "preemptions", "admissions", "parked", "ttft_p50_ms", "ttft_p99_ms",
+                "bytes_stored", "bytes_loaded", "pages_checked", "simulated_compute_s",
+                "per_tenant")
 
 MIB = 1 << 20
 
@@ -160,7 +180,9 @@ class RunReport:
                           f"{self.cross_tenant_hits} cross-tenant"),
             *self._state_rows(),
             ("leaked blocks", str(self.leaked_blocks)),
-            ("TTFT", f"p50 {x.get('ttft_p50_ms', 0)} ms, p99 {x.get('ttft_p99_ms', 0)} ms"),
+            ("TTFT", f"p50 {x.get('ttft_p50_ms', 0)} ms, p99 {x.get('ttft_p99_ms', 0)} ms"
+                     + (" (simulated time: the same for the same seed)"
+                        if x.get("clock") == "simulated" else " (real time)")),
             ("step latency", f"p50 {x.get('step_ms_p50', 0)} ms, p99 "
                              f"{x.get('step_ms_p99', 0)} ms"),
             ("loop lag", f"p99 {self.loop_lag_p99_ms:.2f} ms ({x.get('loop', '?')})"),
@@ -203,6 +225,11 @@ class RunReport:
 
 
 NOT_HITS = ("computed", "recomputed", "unprocessed")
+
+
+def decided(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`DECIDED_KEYS` of a run report's JSON: what two runs of one seed share."""
+    return {k: report[k] for k in DECIDED_KEYS}
 
 
 def ledger_errors(report: Mapping[str, Any]) -> list[str]:

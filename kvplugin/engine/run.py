@@ -42,8 +42,8 @@ async def drive(engine: Engine, specs: Sequence[RequestSpec], *,
                 on_finish: Callable[[Result], None] | None = None) -> dict[str, Result]:
     """Serve ``specs`` on ``engine`` (which this runs) until every one has finished;
     ``on_finish`` sees each result as its client gets it."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    clock = engine.clock
+    start = clock.now()
     done: dict[str, Finished] = {}
     ended = {s.request_id: asyncio.Event() for s in specs}
     results: dict[str, Result] = {}
@@ -51,8 +51,8 @@ async def drive(engine: Engine, specs: Sequence[RequestSpec], *,
     async def client(spec: RequestSpec) -> None:
         if spec.after is not None:
             await ended[spec.after].wait()
-            await asyncio.sleep(spec.think_s)
-        await asyncio.sleep(max(0.0, start + spec.at_s - loop.time()))
+            await clock.sleep_until(clock.now() + spec.think_s)
+        await clock.sleep_until(start + spec.at_s)
         res = await engine.generate(spec.request_id, build_prompt(spec, done),
                                     tenant=spec.tenant, max_tokens=spec.max_tokens,
                                     cache_salt=spec.cache_salt, lora=spec.lora,
@@ -150,6 +150,7 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     out.extra["tier_warnings"] = tier_warnings
     out.extra["workload"] = kinds(specs)
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    out.extra["clock"] = "simulated" if cfg.engine.deterministic else "real"
     return out
 
 
@@ -165,13 +166,13 @@ async def _served(dep: Deployment, specs: Sequence[RequestSpec], progress: Progr
     """:func:`drive`, recording the time series and feeding the progress bar (from a task
     of its own: the engine's step never waits for the terminal)."""
     es, labels, ledger = dep.engine.stats, _labels(dep), dep.mgr.ledger
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    clock = dep.engine.clock
+    start = clock.now()
     timeline: list[Sample] = []
 
     def finished(res: Result) -> None:
         books = ledger.totals()  # the manager booked the request when the engine finished it
-        timeline.append(Sample(loop.time() - start, res.tenant, res.ttft_s, books.prompt_tokens,
+        timeline.append(Sample(clock.now() - start, res.tenant, res.ttft_s, books.prompt_tokens,
                                books.computed_tokens,
                                hit_sources(ledger_sources(books, labels))))
 
@@ -183,7 +184,8 @@ async def _served(dep: Deployment, specs: Sequence[RequestSpec], progress: Progr
     ticker = None
     if progress is not None:
         progress.begin(len(specs))
-        ticker = loop.create_task(follow(now, progress), name="progress")
+        ticker = asyncio.get_running_loop().create_task(follow(now, progress),
+                                                        name="progress")
     try:
         results = await drive(dep.engine, specs, on_finish=finished)
     finally:

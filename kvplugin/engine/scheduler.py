@@ -21,6 +21,10 @@ finishes). What ``schedule`` does, after vLLM's ``Scheduler.schedule``:
    the kv-holding queue (or back to the waiting queue when nothing was kept).
    The first allocation that fails ends admissions for the step (FCFS).
 
+With a :class:`~kvplugin.engine.clock.SimClock` (deterministic runs) every I/O in flight is
+settled before each scheduling decision (:meth:`Engine._settle`), so no decision depends on
+how fast a tier answered.
+
 Finishing hands the request to the manager, whose delayed free keeps blocks that stores
 still read. Every device hit and every loaded block is checked against the model's
 recomputation (``FakeModel.check``) where the request resumes: a loading admission's device
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission, LoadOutcome, LoadStatus, Lookup
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
+from kvplugin.engine.clock import Clock, SimClock
 from kvplugin.engine.model import FakeModel, Work
 
 __all__ = ["Engine", "EngineRequest", "EngineStats", "Result", "SchedulerLimits"]
@@ -131,10 +136,11 @@ class Engine:
     to serve until ``stop`` (and the last request finished)."""
 
     def __init__(self, mgr: AsyncKVManager, model: FakeModel,
-                 limits: SchedulerLimits | None = None) -> None:
+                 limits: SchedulerLimits | None = None, clock: Clock | None = None) -> None:
         self.mgr = mgr
         self.model = model
         self.limits = limits or SchedulerLimits()
+        self.clock = clock or model.clock
         self.running: list[EngineRequest] = []
         self.waiting: deque[EngineRequest] = deque()
         self.kv_holding: deque[EngineRequest] = deque()  # loaded, holding blocks: go first
@@ -170,7 +176,7 @@ class Engine:
         self.model.add(request_id, req.all_token_ids, tenant, lora, prefix_group=prefix_group,
                        shared_prefix_tokens=shared_prefix_tokens)
         loop = asyncio.get_running_loop()
-        er = EngineRequest(req, tenant, max_tokens, loop.create_future(), loop.time())
+        er = EngineRequest(req, tenant, max_tokens, loop.create_future(), self.clock.now())
         self.stats.requests += 1
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.waiting.append(er)
@@ -243,14 +249,59 @@ class Engine:
 
     async def run(self) -> None:
         self._stopping = False  # a stop ended the previous run; this one serves anew
+        sim = self.clock if isinstance(self.clock, SimClock) else None
         while not (self._stopping and not self.has_work()):
+            if sim is not None:
+                await self._settle()
+                self._wake.clear()  # from here on, a set wake is news for _sim_idle
             if await self.step():
                 # No yield here: the next step starts its simulated time at once, and the
                 # I/O that became ready runs inside it (between the model's slices, while it
                 # waits) rather than between steps, where it would delay every step.
                 continue
-            if not self._unstick():
+            if self._unstick():
+                continue
+            if sim is None:
                 await self._idle()
+            else:
+                await self._sim_idle(sim)
+
+    def _io_in_flight(self) -> bool:
+        return bool(self._watchers or self.mgr.num_pending_jobs or any(
+            er.lookup_task is not None and not er.lookup_task.done() for er in self._all()))
+
+    async def _settle(self) -> None:
+        """Deterministic runs: wait until no I/O is in flight (lookups answered, loads
+        applied and their requests requeued, stores written, promotions done), so the next
+        decision sees the same state whatever the tiers' timing."""
+        drain = getattr(self.mgr.connector, "drain", None)  # a tiered one's promotions
+        while True:
+            lookups = [er.lookup_task for er in self._all()
+                       if er.lookup_task is not None and not er.lookup_task.done()]
+            if self._watchers or lookups:
+                await asyncio.wait([*self._watchers, *lookups])
+            elif self.mgr.num_pending_jobs:
+                await self.mgr.drain()
+            else:
+                if drain is not None:
+                    await drain()
+                # Done callbacks (a watcher's requeue, a hold released) run before we look.
+                await asyncio.sleep(0)
+                if not self._io_in_flight():
+                    return
+
+    async def _sim_idle(self, sim: SimClock) -> None:
+        """Nothing could be scheduled with every I/O settled. Let the clients that just
+        woke submit; if nothing new happened, jump to the next client's time; with nobody
+        due, only a submission or the stop can change anything: wait for it."""
+        self.stats.idle_waits += 1
+        for _ in range(4):  # a finish wakes its client, which wakes a follow-up's
+            await asyncio.sleep(0)
+        if self._wake.is_set() or self._io_in_flight() or self._stopping:
+            return  # news to look at; or the stop (run() ends once the work has)
+        if await sim.jump():
+            return
+        await self._wake.wait()
 
     async def _idle(self) -> None:
         self.stats.idle_waits += 1
@@ -459,7 +510,7 @@ class Engine:
     # ------------------------------------------------------------------ after a step
     def _update(self, batch: list[tuple[EngineRequest, int]],
                 sampled: list[int | None]) -> None:
-        now = asyncio.get_running_loop().time()
+        now = self.clock.now()
         for (er, n), token in zip(batch, sampled, strict=True):
             req = er.req
             start = req.num_computed_tokens
@@ -486,7 +537,7 @@ class Engine:
         if status is RequestStatus.FINISHED_ERROR:
             self.stats.failed += 1
         self.stats.finished += 1
-        now = asyncio.get_running_loop().time()
+        now = self.clock.now()
         result = Result(er.rid, er.tenant, tuple(req.all_token_ids[:req.num_prompt_tokens]),
                         tuple(req.all_token_ids[req.num_prompt_tokens:]), status,
                         req.num_preemptions,

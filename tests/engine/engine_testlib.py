@@ -18,13 +18,15 @@ from kvplugin.serde import Block
 
 def small_config(*, blocks: int = 64, block_size: int = 4, budget: int = 64, seqs: int = 8,
                  disk: bool = False, **sections: dict[str, Any]) -> KVPluginConfig:
-    """A tiny deployment: memory tier (and a temporary disk tier), no simulated time."""
+    """A tiny deployment: memory tier (and a temporary disk tier), no simulated time, in
+    real time (``engine.deterministic`` off: the tests that need it turn it on)."""
     doc: dict[str, Any] = {
         "layout": {"block_size": block_size, "num_blocks": blocks, "max_model_len": 2048},
         "model": {"num_layers": 2, "num_kv_heads": 1, "head_size": 8},
         "offload": {"chunk_size": block_size, "max_local_cpu_size": 0.01,
                     "local_disk": "temp://" if disk else None},
-        "engine": {"prefill_token_ms": 0.0, "decode_step_ms": 0.0},
+        # Real time: these tests hold I/O at gates while the engine steps on.
+        "engine": {"prefill_token_ms": 0.0, "decode_step_ms": 0.0, "deterministic": False},
         "limits": {"max_num_batched_tokens": budget, "max_num_seqs": seqs},
         "workload": {"num_requests": 8},
     }

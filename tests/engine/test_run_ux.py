@@ -116,7 +116,7 @@ async def test_summary_table_shows_the_reports_numbers_per_source_and_tenant() -
     for src in ledger:
         assert sum(t["token_ledger"][src] for t in tenants.values()) == ledger[src]
     assert f"leaked blocks : {d['leaked_blocks']}" in lines
-    assert (f"TTFT          : p50 {d['ttft_p50_ms']} ms, p99 {d['ttft_p99_ms']} ms"
+    assert (f"TTFT          : p50 {d['ttft_p50_ms']} ms, p99 {d['ttft_p99_ms']} ms (real time)"
             in lines)
     # The time series: one sample per finished request, cumulative counters.
     assert len(rep.timeline) == 30 and len(rep.specs) == 30
