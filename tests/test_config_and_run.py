@@ -12,6 +12,7 @@ from redis_fixture import local_redis
 
 from kvplugin.config import ConfigError, apply_env_overrides, load_config, validate
 from kvplugin.engine.build import engine_supports
+from kvplugin.engine.report import decided
 from kvplugin.engine.run import run_engine
 from kvplugin.replay import run_trace
 from kvplugin.sim import Limits, Simulation, Workload
@@ -56,6 +57,9 @@ def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest) -
     small = cfg.workload.model_copy(update={"num_requests": 6})
     report = run_engine(cfg.model_copy(update={"workload": small}))
     assert report.ok() and report.finished == 6 and report.failed == 0
+    if cfg.offload.remote_url is None:  # Redis keeps the first run's objects: another state
+        again = run_engine(cfg.model_copy(update={"workload": small}))
+        assert decided(again.as_dict()) == decided(report.as_dict())  # the same seed
     assert report.ledger_errors() == [] and report.prompt_tokens == sum(
         s.prompt_len for s in report.specs)
     assert report.extra["tiers"] and report.extra["pages_checked"] > 0
