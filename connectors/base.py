@@ -374,6 +374,14 @@ class Connector(abc.ABC):
         whose write was under way lands with the bytes of the call, or not at all).
         """
 
+    async def put_per_tier(self, items: Sequence[PutItem], *, timeout: float
+                           ) -> list[int | None]:
+        """:meth:`put`, saying what each tier ended with: per tier (fastest first, as a
+        composite lists them in ``tiers``) how many of the objects are present there now,
+        None where that tier's write failed. A plain connector is one tier, and a failure
+        raises as ``put`` does; a composite raises only when every tier failed."""
+        return [await self.put(items, timeout=timeout)]
+
     @abc.abstractmethod
     async def delete(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         """Remove objects; returns how many were present."""

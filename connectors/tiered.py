@@ -270,6 +270,13 @@ class TieredConnector(Guarded, Connector):
             await asyncio.wait(list(self._promotions))
 
     async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
+        counts = await self.put_per_tier(items, timeout=timeout)
+        return max((n for n in counts if n is not None), default=0)
+
+    async def put_per_tier(self, items: Sequence[PutItem], *, timeout: float
+                           ) -> list[int | None]:
+        """Write through every tier at once; per tier, the objects present there now (None:
+        that tier failed, counted in its errors). Raises only when every tier failed."""
         self._check_open()
         timeout = check_timeout(timeout)
         # Encode once for all tiers; each tier stores the same bytes (and counts its errors).
@@ -278,14 +285,14 @@ class TieredConnector(Guarded, Connector):
             (k, Block(b.meta, b.payload, encode_once(b, codec))) for k, b in check_items(items)
         ]
         if not ready:
-            return 0
+            return [0] * len(self.tiers)
         results = await asyncio.gather(
             *(t.put(ready, timeout=timeout) for t in self.tiers), return_exceptions=True
         )
         failures = self._failures("write-through", results)
-        counts = [r for r in results if isinstance(r, int)]
-        if counts:
-            return max(counts)
+        counts = [r if isinstance(r, int) else None for r in results]
+        if any(n is not None for n in counts):
+            return counts
         raise failures[0]
 
     async def delete(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:

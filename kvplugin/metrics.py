@@ -116,7 +116,8 @@ METRICS: tuple[MetricDoc, ...] = (
          "Store copy-outs done when a block was handed out again before its store job "
          "copied it (on the allocation path instead of beside the next step)."),
     _doc("kvplugin_stored_bytes_total", "counter", "tier tenant",
-         "KV bytes of finished stores, charged on every tier written through."),
+         "KV bytes of finished stores, charged on each tier for the objects that tier "
+         "confirmed (nothing where its write failed: a dead Redis is charged 0)."),
     _doc("kvplugin_stored_states_total", "counter", "",
          "Mamba states stored (with their checkpoint's chunks)."),
     _doc("kvplugin_loaded_states_total", "counter", "",

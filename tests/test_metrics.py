@@ -102,6 +102,32 @@ def scrape(url: str) -> str:
     return body.decode()
 
 
+def _dead_redis_url() -> str:
+    with socket.socket() as sock:  # a loopback port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+
+
+@pytest.mark.asyncio
+async def test_a_tier_whose_writes_fail_is_charged_no_stored_bytes() -> None:
+    doc = {**DOC, "offload": {"chunk_size": 4, "max_local_cpu_size": 0.01,
+                              "local_disk": None, "remote_url": _dead_redis_url(),
+                              "store_timeout_ms": 200,
+                              "lookup_timeout_ms": 50},
+           "faults": {"rate": 0.0}}
+    async with deployment(validate(doc, "test")) as dep:
+        await serve_waves(dep, waves=2)
+        v = parse(generate_latest(build_registry(dep)).decode())
+        s = dep.mgr.stats()
+        assert dep.tier_labels == ["memory", "redis"] and s.stored_bytes > 0
+        # Every put reached memory and failed at Redis: only memory is charged.
+        assert by_label(v, "kvplugin_stored_bytes_total", "tier") == {
+            "memory": s.stored_bytes, "redis": 0}
+        assert value(v, "kvplugin_tier_errors_total", tier="redis") > 0
+        for st in dep.mgr.tenant_stats().values():
+            assert st.stored_bytes_by_tier["redis"] == 0
+
+
 # --------------------------------------------------------------------------- histograms
 
 
@@ -181,6 +207,16 @@ async def test_registry_equals_the_managers_counters() -> None:
             == s.queried_tokens >= es.prompt_tokens
         assert by_label(v, "kvplugin_stored_bytes_total", "tier") == \
             {"memory": s.stored_bytes, "disk": s.stored_bytes}  # written through
+        # The token ledger, per tenant and source; it adds up to the prompt tokens.
+        books = mgr.ledger.per_tenant()
+        assert sorted(books) == list(TENANTS)
+        for t, lt in books.items():
+            for src, n in lt.sources.items():
+                assert value(v, "kvplugin_prompt_tokens_total", source=label.get(src, src),
+                             tenant=t) == n
+            assert value(v, "kvplugin_discarded_tokens_total", tenant=t) == lt.discarded_tokens
+        assert sum(by_label(v, "kvplugin_prompt_tokens_total", "source").values()) \
+            == es.prompt_tokens == mgr.ledger.totals().prompt_tokens
         loaded = by_label(v, "kvplugin_loaded_bytes_total", "tier")
         assert loaded == {label[k]: n for k, n in s.loaded_bytes_by_tier.items()}
         assert sum(loaded.values()) == s.loaded_bytes > 0

@@ -203,6 +203,9 @@ class StoreJob:
     key_ids: frozenset[str]
     owner: Any = field(default=None, repr=False)
     states: int = 0  # how many of the items (the last ones) are Mamba states
+    # Per tier (tier_names' order), the items present there once the put returned: a
+    # tier's bytes are charged from these, never from a put that failed there.
+    tier_counts: tuple[int, ...] = ()
     partial_tails: int = 0
     first_token: int = 1 << 62  # start of the earliest chunk: a failure leaves a hole here
     started: float = 0.0  # time.perf_counter() before its copy-out
@@ -272,7 +275,8 @@ async def run_store(job: StoreJob, connector: Connector, gate: IOGate, timeout: 
         async with asyncio.timeout(timeout):
             deadline = Deadline.after(timeout)
             async with gate.slot(Priority.STORE):
-                await connector.put(job.items, timeout=_left(deadline))
+                counts = await connector.put_per_tier(job.items, timeout=_left(deadline))
+        job.tier_counts = tuple(0 if n is None else n for n in counts)
         job.ended = JobEnd.DONE
     except asyncio.CancelledError:
         job.ended = JobEnd.CANCELLED

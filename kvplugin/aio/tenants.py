@@ -693,15 +693,19 @@ class Tenants:
         c.store_bytes_in_flight += job.nbytes
 
     def _store_ended(self, st: ReqState, job: StoreJob) -> None:
-        """Mirror of the store side's counters; a done store is charged on every tier it
-        was written through."""
+        """Mirror of the store side's counters; a done store is charged on each tier for
+        the share of its objects that tier confirmed (none where its write failed)."""
         c = self._of(st)
         c.store_bytes_in_flight -= job.nbytes
         if job.ended is JobEnd.DONE:
             c.stored_chunks += len(job.items) - job.states
             c.stored_bytes += job.nbytes
-            for tier in self._tiers:
-                c.stored_bytes_by_tier[tier] = c.stored_bytes_by_tier.get(tier, 0) + job.nbytes
+            counts = job.tier_counts
+            if len(counts) != len(self._tiers):  # a wrapper that reports the tiers as one
+                counts = (min(counts, default=len(job.items)),) * len(self._tiers)
+            for tier, n in zip(self._tiers, counts, strict=True):
+                share = job.nbytes * min(n, len(job.items)) // max(1, len(job.items))
+                c.stored_bytes_by_tier[tier] = c.stored_bytes_by_tier.get(tier, 0) + share
         else:
             c.stores_failed += len(job.items)
 

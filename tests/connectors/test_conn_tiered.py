@@ -90,6 +90,21 @@ async def test_a_failing_tier_does_not_fail_the_others(tmp_path: os.PathLike[str
         assert all(same(g, b) for g, (_, b) in zip(got, items, strict=True))
         assert not (await tiered.health(timeout=T)).ok
         assert tiered.stats().errors >= 2
+        # What each tier ended with: the broken one nothing (None), the good one both.
+        more = make_items(namespace(), 3)
+        assert await tiered.put_per_tier(more, timeout=T) == [None, 3]
+        assert await good.put_per_tier(more, timeout=T) == [3]  # a plain connector: one tier
+
+
+async def test_put_per_tier_counts_what_each_tier_holds(tmp_path: os.PathLike[str]) -> None:
+    items = make_items(namespace(), 3)
+    async with three_tiers(tmp_path) as tiered:
+        mem, disk1, _ = tiered.tiers
+        await disk1.put(items[:1], timeout=T)
+        # Present counts, as put's: objects already there count once written.
+        assert await tiered.put_per_tier(items, timeout=T) == [3, 3, 3]
+        assert await tiered.put_per_tier([], timeout=T) == [0, 0, 0]
+        assert disk1.stats().existing == 1 and mem.stats().stored == 3
 
 
 async def test_every_tier_failing_raises(tmp_path: os.PathLike[str]) -> None:
