@@ -54,6 +54,7 @@ from kvplugin.config import KVPluginConfig, validate  # noqa: E402
 from kvplugin.core.request import Request  # noqa: E402
 from kvplugin.engine.build import build_connector, build_core  # noqa: E402
 from kvplugin.engine.loop import LagProbe, new_event_loop, uvloop_available  # noqa: E402
+from kvplugin.engine.quantiles import Quantiles  # noqa: E402
 from kvplugin.serde import Block  # noqa: E402
 
 BLOCK = 16  # tokens per block
@@ -95,17 +96,10 @@ def config(s: Settings, tmp: str) -> KVPluginConfig:
 @dataclass(slots=True)
 class Side:
     seconds: list[float] = field(default_factory=list)
-    lag_ms: list[float] = field(default_factory=list)  # every probe sample, every round
+    lag: Quantiles = field(default_factory=Quantiles)  # every probe sample (s), every round
 
     def p99(self) -> float:
-        return _percentile(self.lag_ms, 99)
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+        return self.lag.percentile(99) * 1000
 
 
 # ----------------------------------------------------------------------------- manager side
@@ -183,7 +177,7 @@ async def baseline_side(conn: Connector, batches: list[list[PutItem]], s: Settin
 async def timed(side: Side, s: Settings, coro: Any) -> None:
     gc.collect()
     gc.disable()
-    probe = LagProbe(s.probe_ms / 1000)
+    probe = LagProbe(s.probe_ms / 1000, into=side.lag)
     probe.start()
     t0 = time.perf_counter()
     try:
@@ -192,7 +186,6 @@ async def timed(side: Side, s: Settings, coro: Any) -> None:
         side.seconds.append(time.perf_counter() - t0)
         await probe.stop()
         gc.enable()
-    side.lag_ms.extend(x * 1000 for x in probe.samples)
 
 
 async def one_round(r: int, s: Settings, mgr_side: Side, raw_side: Side) -> None:
@@ -224,8 +217,8 @@ async def bench(s: Settings) -> dict[str, Any]:
     ratios = [raw / mine for mine, raw in zip(mgr_side.seconds, raw_side.seconds, strict=True)]
     return {
         "loop_lag_p99_ms": round(mgr_side.p99(), 3),
-        "loop_lag_p50_ms": round(_percentile(mgr_side.lag_ms, 50), 3),
-        "loop_lag_max_ms": round(max(mgr_side.lag_ms, default=0.0), 3),
+        "loop_lag_p50_ms": round(mgr_side.lag.percentile(50) * 1000, 3),
+        "loop_lag_max_ms": round(mgr_side.lag.max * 1000, 3),
         "store_throughput_ratio": round(statistics.median(ratios), 3),
         "round_ratios": [round(x, 3) for x in ratios],
         "manager_mib_s": round(nbytes / statistics.median(mgr_side.seconds) / (1 << 20), 1),

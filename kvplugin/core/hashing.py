@@ -203,7 +203,7 @@ class BlockHasher:
 
     # Bound of the (parent, tokens) -> hash memo: shared system prompts and multi-turn
     # resends re-hash the same blocks again and again.
-    MEMO_ENTRIES = 1 << 16
+    MEMO_ENTRIES = 1 << 13  # ~3 MiB when full: bounded well below the pool it serves
 
     def __init__(self, ctx: HashContext, block_size: int, lookahead: int = 0) -> None:
         if block_size <= 0:

@@ -18,7 +18,7 @@ import asyncio
 import heapq
 import itertools
 
-__all__ = ["Clock", "RealClock", "SimClock"]
+__all__ = ["HANDOFF_PASSES", "Clock", "RealClock", "SimClock", "let_clients_run"]
 
 
 class Clock:
@@ -66,7 +66,8 @@ class SimClock(Clock):
 
     async def sleep_until(self, t: float) -> None:
         if t <= self._t:
-            await asyncio.sleep(0)  # still a yield, as a real sleep of 0 is
+            # No yield: a client due already submits in the same loop pass, so how many
+            # passes the engine leaves it (see HANDOFF_PASSES) is known in advance.
             return
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (t, next(self._seq), fut))
@@ -74,7 +75,7 @@ class SimClock(Clock):
 
     async def elapse(self, start: float, cost: float) -> None:
         self._advance(max(self._t, start + cost))
-        await _let_run()
+        await let_clients_run()
 
     def next_wake(self) -> float | None:
         """The earliest time a waiter waits for (cancelled ones dropped)."""
@@ -89,7 +90,7 @@ class SimClock(Clock):
         if t is None:
             return False
         self._advance(t)
-        await _let_run()
+        await let_clients_run()
         return True
 
     def _advance(self, t: float) -> None:
@@ -100,8 +101,15 @@ class SimClock(Clock):
                 fut.set_result(None)
 
 
-async def _let_run() -> None:
-    """Let the woken run up to their next wait: a client woken at its arrival time submits
-    its request before the engine schedules again (two yields: the wake-up, then the task)."""
-    for _ in range(2):
+# Loop passes the engine leaves the clients before it decides again: a woken waiter runs in
+# the first (the feeder spawns a due client's task), the client submits in the second; a
+# finished request's client wakes its follow-up in the first, which waits or submits in the
+# second. Every pass runs every ready callback, whatever the I/O, so this is deterministic.
+HANDOFF_PASSES = 3
+
+
+async def let_clients_run() -> None:
+    """Yield :data:`HANDOFF_PASSES` loop passes (see there)."""
+    for _ in range(HANDOFF_PASSES):
         await asyncio.sleep(0)
+

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from kvplugin.engine.quantiles import Quantiles
+
 __all__ = ["LagProbe", "LoopThread", "new_event_loop", "run", "uvloop_available"]
 
 T = TypeVar("T")
@@ -116,11 +118,13 @@ class LagProbe:
     """A timer task that wakes every ``interval`` seconds and records how late it woke:
     how long a ready callback waits for the loop (blocking work on the loop shows here)."""
 
-    def __init__(self, interval: float = 0.005) -> None:
+    def __init__(self, interval: float = 0.005, into: Quantiles | None = None) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval!r}")
         self.interval = interval
-        self.samples: list[float] = []
+        # Bounded (a sample every few ms, for as long as the run lasts); ``into``: several
+        # probes' samples pooled (a benchmark's rounds).
+        self.samples = into if into is not None else Quantiles()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -130,7 +134,7 @@ class LagProbe:
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(self.interval)
-            self.samples.append(max(0.0, time.perf_counter() - t0 - self.interval))
+            self.samples.add(max(0.0, time.perf_counter() - t0 - self.interval))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -141,7 +145,4 @@ class LagProbe:
 
     def percentile(self, q: float) -> float:
         """The ``q``-th percentile of the lag in seconds (0 without samples)."""
-        if not self.samples:
-            return 0.0
-        ordered = sorted(self.samples)
-        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+        return self.samples.percentile(q)

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvplugin.engine.quantiles import nearest_rank
+
 if TYPE_CHECKING:
     from kvplugin.engine.workload import RequestSpec
 
@@ -41,11 +43,7 @@ DECIDED_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens
 MIB = 1 << 20
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+percentile = nearest_rank  # the one definition (kvplugin.engine.quantiles)
 
 
 @dataclass(frozen=True, slots=True)

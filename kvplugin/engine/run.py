@@ -12,7 +12,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from connectors.base import Connector, ConnectorStats, Health
@@ -23,9 +23,10 @@ from kvplugin.config import KVPluginConfig
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
-from kvplugin.engine.report import RunReport, Sample, TenantRow, percentile
-from kvplugin.engine.scheduler import Engine, Result
-from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate, kinds
+from kvplugin.engine.report import RunReport, Sample, TenantRow
+from kvplugin.engine.scheduler import Result
+from kvplugin.engine.served import Served, drive
+from kvplugin.engine.workload import RequestSpec, stream
 
 if TYPE_CHECKING:
     from kvplugin.metrics import MetricsServer
@@ -36,46 +37,6 @@ __all__ = ["drive", "max_prompt_len", "report", "run_compare", "run_engine", "se
 logger = logging.getLogger(__name__)
 
 ProgressFor = Callable[[str], Progress | None]  # a run's label -> its bar (or none)
-
-
-async def drive(engine: Engine, specs: Sequence[RequestSpec], *,
-                on_finish: Callable[[Result], None] | None = None) -> dict[str, Result]:
-    """Serve ``specs`` on ``engine`` (which this runs) until every one has finished;
-    ``on_finish`` sees each result as its client gets it."""
-    clock = engine.clock
-    start = clock.now()
-    done: dict[str, Finished] = {}
-    ended = {s.request_id: asyncio.Event() for s in specs}
-    results: dict[str, Result] = {}
-
-    async def client(spec: RequestSpec) -> None:
-        if spec.after is not None:
-            await ended[spec.after].wait()
-            await clock.sleep_until(clock.now() + spec.think_s)
-        await clock.sleep_until(start + spec.at_s)
-        res = await engine.generate(spec.request_id, build_prompt(spec, done),
-                                    tenant=spec.tenant, max_tokens=spec.max_tokens,
-                                    cache_salt=spec.cache_salt, lora=spec.lora,
-                                    prefix_group=spec.prefix_group,
-                                    shared_prefix_tokens=spec.shared_prefix_tokens)
-        results[spec.request_id] = res
-        if on_finish is not None:
-            on_finish(res)
-        done[spec.request_id] = Finished(res.prompt, res.output)
-        ended[spec.request_id].set()
-
-    async def clients() -> None:
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for s in specs:
-                    tg.create_task(client(s), name=f"client-{s.request_id}")
-        finally:
-            engine.stop()
-
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(engine.run(), name="engine")
-        tg.create_task(clients(), name="clients")
-    return results
 
 
 class TierUnavailable(RuntimeError):
@@ -129,14 +90,14 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
 
                     metrics = start_metrics_server(dep, port=metrics_port)
                     logger.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
-                if specs is None:
-                    specs = workload_specs(dep, cfg)
-                results, timeline = await _served(dep, specs, progress)
+                feed = workload_stream(dep, cfg) if specs is None else specs
+                total = len(specs) if specs is not None else cfg.workload.num_requests
+                served = await _served(dep, feed, progress, total)
                 await dep.mgr.drain()
             wall = time.perf_counter() - t0
         finally:
             await probe.stop()
-        out = report(dep, results, wall, probe)
+        out = report(dep, served, wall, probe)
         if metrics is not None and metrics_linger_s > 0:
             # The final numbers, for a last scrape; said, or the finished run looks hung.
             print(f"kvplugin: run finished; serving metrics on http://127.0.0.1:"
@@ -146,9 +107,10 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     finally:
         if metrics is not None:
             metrics.close()
-    out.timeline, out.specs = timeline, specs
+    out.timeline, out.specs = served.timeline.samples, specs or ()
     out.extra["tier_warnings"] = tier_warnings
-    out.extra["workload"] = kinds(specs)
+    out.extra["workload"] = served.kinds
+    out.extra["workload_prompt_tokens"] = served.prompt_tokens
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     out.extra["clock"] = "simulated" if cfg.engine.deterministic else "real"
     return out
@@ -156,25 +118,32 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
 
 def workload_specs(dep: Deployment, cfg: KVPluginConfig) -> list[RequestSpec]:
     """The config's workload, with the tenants and prefix groups the config declares."""
+    return list(workload_stream(dep, cfg))
+
+
+def workload_stream(dep: Deployment, cfg: KVPluginConfig) -> Iterator[RequestSpec]:
+    """:func:`workload_specs`, generated as it is consumed (a run of any length)."""
     tenants, groups = workload_tenancy(cfg)
-    return generate(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg), tenants=tenants,
-                    prefix_groups=groups)
+    return stream(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg), tenants=tenants,
+                  prefix_groups=groups)
 
 
-async def _served(dep: Deployment, specs: Sequence[RequestSpec], progress: Progress | None
-                  ) -> tuple[dict[str, Result], list[Sample]]:
-    """:func:`drive`, recording the time series and feeding the progress bar (from a task
-    of its own: the engine's step never waits for the terminal)."""
+async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progress | None,
+                  total: int) -> Served:
+    """:func:`drive`, keeping what the report needs (:class:`Served`: no per-request
+    result), recording the time series and feeding the progress bar (from a task of its
+    own: the engine's step never waits for the terminal)."""
     es, labels, ledger = dep.engine.stats, _labels(dep), dep.mgr.ledger
     clock = dep.engine.clock
     start = clock.now()
-    timeline: list[Sample] = []
+    served = Served()
 
     def finished(res: Result) -> None:
+        served.finished(res)
         books = ledger.totals()  # the manager booked the request when the engine finished it
-        timeline.append(Sample(clock.now() - start, res.tenant, res.ttft_s, books.prompt_tokens,
-                               books.computed_tokens,
-                               hit_sources(ledger_sources(books, labels))))
+        served.timeline.add(Sample(clock.now() - start, res.tenant, res.ttft_s,
+                                   books.prompt_tokens, books.computed_tokens,
+                                   hit_sources(ledger_sources(books, labels))))
 
     def now() -> tuple[int, str]:
         books = ledger.totals()
@@ -183,18 +152,19 @@ async def _served(dep: Deployment, specs: Sequence[RequestSpec], progress: Progr
 
     ticker = None
     if progress is not None:
-        progress.begin(len(specs))
+        progress.begin(total)
         ticker = asyncio.get_running_loop().create_task(follow(now, progress),
                                                         name="progress")
     try:
-        results = await drive(dep.engine, specs, on_finish=finished)
+        await drive(dep.engine, specs, on_finish=finished, on_feed=served.fed,
+                    keep_results=False)
     finally:
         if ticker is not None:
             ticker.cancel()
             await asyncio.wait([ticker])  # not gather: a cancelled serve stays cancelled
         if progress is not None:
             progress.end()
-    return results, timeline
+    return served
 
 
 def _labels(dep: Deployment) -> dict[str, str]:
@@ -211,16 +181,15 @@ def max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
     return max(2, cap - cfg.workload.output_len[1])
 
 
-def report(dep: Deployment, results: dict[str, Result], wall: float,
+def report(dep: Deployment, served: Served, wall: float,
            probe: LagProbe | None = None) -> RunReport:
-    """The report of a deployment that has served ``results`` (count leaks after its
-    manager closed)."""
+    """The report of a deployment that has served a workload (``served``: what was kept of
+    its requests; count leaks after its manager closed)."""
     es, model = dep.engine.stats, dep.model
     ms = dep.mgr.stats()
     pool = dep.mgr.core.block_pool
     labels = _labels(dep)
-    ttft = [r.ttft_s * 1000 for r in results.values() if r.ttft_s is not None]
-    steps = [s * 1000 for s in es.step_s]
+    ttft, steps = served.ttft_ms, es.step_s
     books = dep.mgr.ledger.totals()
     sources = ledger_sources(books, labels)
     out = RunReport(
@@ -233,7 +202,7 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
         leaked_blocks=(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         + dep.mgr.num_pending_jobs,
         loop_lag_p99_ms=probe.percentile(99) * 1000 if probe else 0.0, wall_s=wall,
-        per_tenant=tenant_rows(dep, results))
+        per_tenant=tenant_rows(dep, served))
     stored, loaded = tier_bytes(dep)
     out.extra.update(
         token_ledger=sources, recomputed_after=dict(books.recomputed_after),
@@ -252,8 +221,9 @@ def report(dep: Deployment, results: dict[str, Result], wall: float,
         restored_states=es.restored_states, restored_partial_states=es.restored_partial_states,
         states_dropped=ms.states_dropped, computed_tokens=es.computed_tokens,
         simulated_compute_s=round(model.busy_s, 3),
-        ttft_p50_ms=round(percentile(ttft, 50), 2), ttft_p99_ms=round(percentile(ttft, 99), 2),
-        step_ms_p50=round(percentile(steps, 50), 3), step_ms_p99=round(percentile(steps, 99), 3),
+        ttft_p50_ms=round(ttft.percentile(50), 2), ttft_p99_ms=round(ttft.percentile(99), 2),
+        step_ms_p50=round(steps.percentile(50) * 1000, 3),
+        step_ms_p99=round(steps.percentile(99) * 1000, 3),
         pool_blocks=pool.num_gpu_blocks - 1)
     return out
 
@@ -285,26 +255,23 @@ def tier_bytes(dep: Deployment) -> tuple[dict[str, int], dict[str, int]]:
     return stored, loaded
 
 
-def tenant_rows(dep: Deployment, results: Mapping[str, Result]) -> dict[str, TenantRow]:
+def tenant_rows(dep: Deployment, served: Served) -> dict[str, TenantRow]:
     """Per tenant: the token ledger of its finished requests (the same books as the
-    totals: the rows add up to them), TTFT from the results, and the tokens its
+    totals: the rows add up to them), its requests and TTFT, and the tokens its
     prefix-cache queries asked for (one per admission: the per-query hit rate's)."""
-    by_tenant: dict[str, list[Result]] = {}
-    for r in results.values():
-        by_tenant.setdefault(r.tenant, []).append(r)
     stats = dep.mgr.tenant_stats()
     books = dep.mgr.ledger.per_tenant()
     labels = _labels(dep)
     out = {}
-    for tenant, rs in sorted(by_tenant.items()):
+    for tenant, n in sorted(served.tenant_requests.items()):
         ts, lt = stats.get(tenant), books.get(tenant)
-        ttft = [r.ttft_s * 1000 for r in rs if r.ttft_s is not None]
+        ttft = served.tenant_ttft_ms.get(tenant)
         sources = ledger_sources(lt, labels) if lt is not None else {}
-        out[tenant] = TenantRow(len(rs), lt.prompt_tokens if lt is not None else 0,
+        out[tenant] = TenantRow(n, lt.prompt_tokens if lt is not None else 0,
                                 sum(hit_sources(sources).values()),
                                 lt.computed_tokens if lt is not None else 0,
                                 ts.queried_tokens if ts is not None else 0,
-                                round(percentile(ttft, 50), 2), sources)
+                                round(ttft.percentile(50), 2) if ttft else 0.0, sources)
     return out
 
 
@@ -321,7 +288,7 @@ async def serve_compare(cfg: KVPluginConfig, *, progress: ProgressFor | None = N
     bar = progress or (lambda _label: None)
     on = await serve(cfg, progress=bar("offload on"), metrics_port=metrics_port,
                      metrics_linger_s=metrics_linger_s)
-    off = await serve(without_offload(cfg), specs=on.specs, progress=bar("offload off"))
+    off = await serve(without_offload(cfg), specs=on.specs or None, progress=bar("offload off"))
     return on, off
 
 

@@ -12,7 +12,9 @@ resends. A pure function of the workload config and its seed.
   its system prompt's length with every request, so the members share that prefix's KV.
 
 Follow-ups and resends depend on when their parent finishes, so a request spec says what
-its prompt is made of rather than listing it; :func:`build_prompt` resolves it.
+its prompt is made of rather than listing it; :func:`build_prompt` resolves it. A follow-up
+or resend refers to one of the last :data:`HISTORY` requests, so :func:`stream` generates
+the workload as it is consumed, in memory that does not grow with the number of requests.
 
 Two more shapes, for benchmarks (and ``kvplugin run`` later): :func:`multi_round_qa`, the
 shape of LMCache's multi-round QA benchmark (users chatting for several rounds over a long
@@ -23,14 +25,17 @@ unique: offload can only cost).
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from kvplugin.config import WorkloadConfig
 
-__all__ = ["Finished", "MultiRoundQA", "RequestSpec", "build_prompt", "generate", "kinds",
-           "multi_round_qa", "no_reuse"]
+__all__ = ["HISTORY", "Finished", "MultiRoundQA", "RequestSpec", "build_prompt", "generate",
+           "kinds", "multi_round_qa", "no_reuse", "stream"]
+
+HISTORY = 512  # a follow-up or a resend refers to one of this many latest requests
 
 Kind = Literal["chat", "doc_qa", "follow_up", "resend"]
 
@@ -98,8 +103,8 @@ class _Gen:
                        for i in range(w.num_system_prompts)]
         self.docs = {t: [self._fixed(("doc", t, d), w.document_len)
                          for d in range(w.num_documents)] for t in self.tenants}
-        self.specs: list[RequestSpec] = []
-        self.open: list[RequestSpec] = []  # conversations a follow-up may continue
+        self.specs: deque[RequestSpec] = deque(maxlen=HISTORY)  # what a resend may repeat
+        self.open: dict[str, RequestSpec] = {}  # of those, conversations that may go on
 
     def _fixed(self, what: tuple[object, ...], span: tuple[int, int]) -> tuple[int, ...]:
         # Shared text comes from its own generator so it is the same whatever came before.
@@ -117,7 +122,7 @@ class _Gen:
         if self.specs and roll < w.resend_prob:
             return self._resend(index, at_s, self.rng.choice(self.specs))
         if self.open and roll < w.resend_prob + w.follow_up_prob:
-            spec = self._follow_up(index, at_s, self.rng.choice(self.open))
+            spec = self._follow_up(index, at_s, self.rng.choice(list(self.open.values())))
             if spec is not None:
                 return spec
         return self._fresh(index, at_s)
@@ -132,7 +137,7 @@ class _Gen:
         n = parent.prompt_len + parent.max_tokens + len(new)
         if n > self.max_prompt_len:
             return None
-        self.open.remove(parent)  # a conversation goes on from its latest turn
+        del self.open[parent.request_id]  # a conversation goes on from its latest turn
         return RequestSpec(f"r{index}", parent.tenant, "follow_up", at_s, new,
                            self.rng.randint(*self.w.output_len), n, parent.request_id,
                            self._think(), parent.cache_salt, parent.lora, parent.prefix_group,
@@ -160,17 +165,26 @@ def generate(w: WorkloadConfig, *, max_prompt_len: int, tenants: Sequence[str] |
     no prompt is longer than ``max_prompt_len``. ``tenants`` names the tenants (default:
     ``tenant0`` .. for ``w.num_tenants``); a member of a group of ``prefix_groups`` (group ->
     members) declares the group and its system prompt as the shared prefix."""
+    return list(stream(w, max_prompt_len=max_prompt_len, tenants=tenants,
+                       prefix_groups=prefix_groups))
+
+
+def stream(w: WorkloadConfig, *, max_prompt_len: int, tenants: Sequence[str] | None = None,
+           prefix_groups: Mapping[str, Sequence[str]] | None = None) -> Iterator[RequestSpec]:
+    """:func:`generate`'s specs one by one, holding only the last :data:`HISTORY`."""
     if max_prompt_len < 2:
         raise ValueError(f"max_prompt_len must be at least 2, got {max_prompt_len}")
     gen = _Gen(w, max_prompt_len, tenants, prefix_groups)
     at = 0.0
     for i in range(w.num_requests):
         spec = gen.spec(i, at)
+        if len(gen.specs) == HISTORY:  # the oldest leaves the window: nothing refers to it
+            gen.open.pop(gen.specs[0].request_id, None)
         gen.specs.append(spec)
         if spec.kind != "resend":
-            gen.open.append(spec)
+            gen.open[spec.request_id] = spec
         at += gen.rng.expovariate(w.requests_per_s)
-    return gen.specs
+        yield spec
 
 
 def kinds(specs: Sequence[RequestSpec]) -> dict[str, int]:

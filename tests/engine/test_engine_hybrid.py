@@ -20,6 +20,7 @@ from kvplugin.engine.build import TierWrapper, deployment
 from kvplugin.engine.model import FakeModel, Work
 from kvplugin.engine.report import RunReport
 from kvplugin.engine.run import drive, max_prompt_len, report
+from kvplugin.engine.served import Served
 from kvplugin.engine.workload import RequestSpec, generate
 
 WINDOW = {"kind": "sliding_window", "sliding_window": 16}
@@ -51,12 +52,13 @@ async def _serve_twice(cfg: KVPluginConfig, wrap: TierWrapper | None = None) -> 
     can only come back from the tiers, whatever the timing of the first pass was."""
     async with deployment(cfg, wrap_tiers=wrap) as dep:
         specs = generate(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg))
-        results = await drive(dep.engine, specs)
+        served = Served()
+        await drive(dep.engine, specs, on_finish=served.finished, on_feed=served.fed)
         await dep.mgr.drain()
         assert dep.mgr.core.reset_prefix_cache()
-        results.update(await drive(dep.engine, _again(specs)))
+        await drive(dep.engine, _again(specs), on_finish=served.finished, on_feed=served.fed)
         await dep.mgr.drain()
-    return report(dep, results, 0.0)
+    return report(dep, served, 0.0)
 
 
 def _assert_clean(out: RunReport, requests: int) -> None:

@@ -63,7 +63,7 @@ async def test_faulty_tiers_cost_hits_never_correctness() -> None:
     assert report.leaked_blocks == 0
     assert report.loads > 0 and report.tier_hits > 0
     assert report.ledger_errors() == []
-    assert report.prompt_tokens == sum(s.prompt_len for s in report.specs)
+    assert report.prompt_tokens == report.extra["workload_prompt_tokens"]
     injected = [f.injected for f in faulty]
     assert sum(i.errors for i in injected) > 0 and sum(i.corrupted for i in injected) > 0
 

@@ -94,9 +94,11 @@ async def test_every_step_that_ran_has_its_wall_time() -> None:
         await serve_all(dep.engine, [("a", list(range(40)), "t", 3),
                                      ("b", list(range(60, 90)), "t", 2)])
         es = dep.engine.stats
-        assert es.steps >= 3 and len(es.step_s) == es.steps
-        # The model's (awaited) time is part of a step: every step that decodes took it.
-        assert sum(s >= 0.01 for s in es.step_s) >= 2 and all(s < 5 for s in es.step_s)
+        n = es.step_s.count
+        assert es.steps >= 3 and n == es.steps and es.step_s.is_exact
+        # The model's (awaited) time is part of a step: every step that decodes took it
+        # (the two longest steps at least), and none took long.
+        assert es.step_s.percentile(100 * (n - 2) / n) >= 0.01 and es.step_s.max < 5
 
 
 # --------------------------------------------------------------------------- the model
