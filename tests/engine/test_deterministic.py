@@ -8,12 +8,13 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from engine_testlib import small_config
+from engine_testlib import GatedReads, small_config
 
-from connectors.base import Connector, ConnectorStats, Health, PutItem
+from connectors.base import Connector, PutItem
 from connectors.keys import ObjectKey
 from kvplugin.engine.clock import SimClock
 from kvplugin.engine.report import decided
@@ -43,37 +44,25 @@ def test_realtime_is_said_and_varies_only_in_what_it_says() -> None:
     assert out["clock"] == "real" and out["finished"] == 20 and not out["kv_mismatches"]
 
 
-class Slow(Connector):
-    """Delegates to ``inner``; every call first sleeps ``delay`` seconds of real time."""
+class Slow(GatedReads):
+    """Delegates to ``inner`` (its gate open); lookups, gets and puts first sleep ``delay``
+    seconds of real time."""
 
     def __init__(self, inner: Connector, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-        self.name = f"slow-{inner.name}"
-        self.capabilities = inner.capabilities
+        super().__init__(inner)
+        self.delay = delay
 
-    async def lookup(self, keys: list[ObjectKey], *, timeout: float) -> int:
+    async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         await asyncio.sleep(self.delay)
-        return await self.inner.lookup(keys, timeout=timeout)
+        return await super().lookup(keys, timeout=timeout)
 
-    async def get(self, keys: list[ObjectKey], *, timeout: float) -> list[Block | None]:
+    async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
         await asyncio.sleep(self.delay)
-        return await self.inner.get(keys, timeout=timeout)
+        return await super().get(keys, timeout=timeout)
 
-    async def put(self, items: list[PutItem], *, timeout: float) -> int:
+    async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
         await asyncio.sleep(self.delay)
-        return await self.inner.put(items, timeout=timeout)
-
-    async def delete(self, keys: list[ObjectKey], *, timeout: float) -> int:
-        return await self.inner.delete(keys, timeout=timeout)
-
-    async def health(self, *, timeout: float) -> Health:
-        return await self.inner.health(timeout=timeout)
-
-    def stats(self) -> ConnectorStats:
-        return self.inner.stats()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+        return await super().put(items, timeout=timeout)
 
 
 @pytest.mark.asyncio
