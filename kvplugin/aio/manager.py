@@ -474,8 +474,11 @@ class AsyncKVManager:
         """Per-step hand-off, after the model step: offer the chunks these requests
         completed (every block's KV written, i.e. below ``num_computed_tokens``) and every
         Mamba boundary state the core handed over this step (of any request: an offer
-        not taken now is stale) for storing. Returns the objects whose stores started;
-        duplicates and objects over the byte budget are dropped, counted."""
+        not taken now is stale) for storing. Returns the *objects* whose stores started
+        (one store job may carry several: ``stats().stores`` counts jobs,
+        ``stats().stored_chunks`` the chunk objects once written); duplicates and objects
+        over the byte budget are dropped, counted (``stores_deduplicated``,
+        ``stores_shed``)."""
         self._check_open()
         offers: dict[str, list[StateOffer]] = {
             rid: [StateOffer(*o) for o in lst]

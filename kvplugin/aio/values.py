@@ -164,7 +164,7 @@ class OffloadStats:
     loaded_bytes: int = 0
     loaded_bytes_by_tier: dict[str, int] = field(default_factory=dict)  # where it was found
     recomputed_tokens: int = 0  # claimed, not verified: computed again
-    stores: int = 0  # store jobs started
+    stores: int = 0  # store jobs started (after_step returns objects: stored_chunks)
     stored_chunks: int = 0
     stored_bytes: int = 0
     stores_failed: int = 0  # chunks of store jobs that failed or were cancelled
