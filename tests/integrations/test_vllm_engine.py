@@ -96,9 +96,14 @@ def test_damaged_objects_are_refused_and_outputs_still_equal(results: dict[str, 
     assert run["outputs"] == rec["reference"]["outputs"]
     st = run["stats"]
     assert st["objects_refused"] > 0 and st["loads_failed"] > 0
-    # The steps whose loads failed computed KV over missing bytes: none of it was stored
-    # (stored, a later request loaded it, verified, and its answer changed).
-    assert st["stores_withheld"] > 0
+    if model == "llama":
+        # One group: synchronous loads, and the steps whose loads failed computed KV over
+        # missing bytes: none of it was stored (stored, a later request loaded it,
+        # verified, and its answer changed). Window and hybrid layouts load async: the
+        # request computes nothing until its load has ended.
+        assert st["stores_withheld"] > 0
+    else:
+        assert st.get("stores_withheld", 0) == 0
 
 
 def test_redis_tier_serves_a_fresh_engine(results: dict[str, Any]) -> None:
