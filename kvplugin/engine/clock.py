@@ -24,8 +24,6 @@ __all__ = ["HANDOFF_PASSES", "Clock", "RealClock", "SimClock", "let_clients_run"
 class Clock:
     """What the engine and its clients read the time from and wait on."""
 
-    simulated = False
-
     def now(self) -> float:
         raise NotImplementedError
 
@@ -53,8 +51,6 @@ class RealClock(Clock):
 class SimClock(Clock):
     """Simulated seconds from 0; waiters wake in time order (ties: in the order they began
     to wait), when the engine's steps or :meth:`jump` pass their time."""
-
-    simulated = True
 
     def __init__(self) -> None:
         self._t = 0.0

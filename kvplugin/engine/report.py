@@ -8,8 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvplugin.engine.quantiles import nearest_rank
-
 if TYPE_CHECKING:
     from kvplugin.engine.workload import RequestSpec
 
@@ -23,7 +21,6 @@ __all__ = [
     "comparison",
     "decided",
     "ledger_errors",
-    "percentile",
 ]
 
 CONTRACT_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens", "hit_tokens",
@@ -43,7 +40,6 @@ DECIDED_KEYS = ("requests", "finished", "prompt_tokens", "computed_prompt_tokens
 MIB = 1 << 20
 
 
-percentile = nearest_rank  # the one definition (kvplugin.engine.quantiles)
 
 
 @dataclass(frozen=True, slots=True)

@@ -269,9 +269,12 @@ class Engine:
             else:
                 await self._sim_idle(sim)
 
+    def _lookups_in_flight(self) -> list[asyncio.Task[Lookup]]:
+        return [er.lookup_task for er in self._all()
+                if er.lookup_task is not None and not er.lookup_task.done()]
+
     def _io_in_flight(self) -> bool:
-        return bool(self._watchers or self.mgr.num_pending_jobs or any(
-            er.lookup_task is not None and not er.lookup_task.done() for er in self._all()))
+        return bool(self._watchers or self.mgr.num_pending_jobs or self._lookups_in_flight())
 
     async def _settle(self) -> None:
         """Deterministic runs: wait until no I/O is in flight (lookups answered, loads
@@ -279,8 +282,7 @@ class Engine:
         decision sees the same state whatever the tiers' timing."""
         drain = getattr(self.mgr.connector, "drain", None)  # a tiered one's promotions
         while True:
-            lookups = [er.lookup_task for er in self._all()
-                       if er.lookup_task is not None and not er.lookup_task.done()]
+            lookups = self._lookups_in_flight()
             if self._watchers or lookups:
                 await asyncio.wait([*self._watchers, *lookups])
             elif self.mgr.num_pending_jobs:
