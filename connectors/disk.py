@@ -42,8 +42,11 @@ verified).
 A store whose caller times out or is cancelled is settled before the caller gets control
 back (see ``_Write``): a write not yet begun is dropped, one under way finishes from a copy
 of the caller's bytes taken then, so no later change to the caller's buffer can reach the
-disk, and the index stays exact either way. ``aclose`` waits at most ``_CLOSE_WAIT``
-seconds for writes in flight.
+disk, and the index stays exact either way. Jobs on one file never overlap: a write holds
+its object and its victims, a delete's unlink its objects, until the job ends, whether or
+not its caller still waits, and a later put or delete of those ids waits for it (so a
+cancelled delete cannot unlink the file a later put published). ``aclose`` waits at most
+``_CLOSE_WAIT`` seconds for file jobs in flight.
 
 One connector per directory, enforced: an open connector holds an exclusive ``flock`` on
 the root directory itself, and a second one (in any process) fails to start with
@@ -173,6 +176,12 @@ class DiskConnector(StoreBase):
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes of writes in flight
         self._pending: dict[str, _Write] = {}  # at most one write in flight per id
+        # Every file job in flight (write, victim or delete unlink), by the ids it touches:
+        # a later job on an id waits for it, so jobs on one file never reorder on the I/O
+        # threads and the index follows the file's last change.
+        self._busy: dict[str, asyncio.Future[Any]] = {}
+        self._born: dict[str, int] = {}  # id -> when it was indexed (see _reads)
+        self._indexed = 0
         self._started: asyncio.Task[None] | None = None
         self._ready = False
         self._tmp_names = itertools.count()
@@ -213,8 +222,7 @@ class DiskConnector(StoreBase):
         self._root = root
         self._stats.corrupt_detected += foreign  # removed: not object files
         for sid, size in found:
-            self._index[sid] = size
-            self._used += size
+            self._add(sid, size)
         victims = self._evict_until(0)
         if victims:
             await self._unlink(victims)
@@ -232,11 +240,12 @@ class DiskConnector(StoreBase):
         )
 
     async def _close(self) -> None:
-        pending = [w.done for w in self._pending.values()]
-        if pending:  # in-flight writes finish so no temp file is left behind
+        pending = set(self._busy.values())
+        if pending:  # file jobs in flight finish: no temp file left, no unlink after reopen
             _, stuck = await asyncio.wait(pending, timeout=_CLOSE_WAIT)
             if stuck:  # a hung device must not hang shutdown; the next start cleans up
-                logger.warning("%s: closing with %d writes still running", self.name, len(stuck))
+                logger.warning("%s: closing with %d file jobs still running", self.name,
+                               len(stuck))
         self._executor.shutdown(wait=False)
         if self._root is not None:
             # Releases the directory, at once or when the last running job ends.
@@ -249,6 +258,18 @@ class DiskConnector(StoreBase):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def objects(self) -> dict[str, int]:
+        """The index: storage id -> bytes of each committed object, least recently used
+        first (a copy; for tools and tests)."""
+        return dict(self._index)
+
+    async def quiesce(self) -> None:
+        """Wait until no file job is in flight, including those whose callers stopped
+        waiting (an abandoned write, a cancelled delete's unlink): afterwards the index and
+        the files agree."""
+        while self._busy:
+            await asyncio.wait(set(self._busy.values()))
 
     def path_for(self, sid: str) -> str:
         """The final file path of a storage id (validated hex: nothing to escape)."""
@@ -333,6 +354,7 @@ class DiskConnector(StoreBase):
         if root is None:
             raise BackendUnavailable(f"{self.name} is closed")
         index = self._index
+        began = self._indexed  # an entry indexed after this is not the file these reads saw
         wanted = [i for i, sid in enumerate(ids) if sid in index]
         for i in wanted:
             index.move_to_end(ids[i])
@@ -348,21 +370,24 @@ class DiskConnector(StoreBase):
         out: list[T | ForeignObject | None] = [None] * len(ids)
         for i, res in zip(wanted, results, strict=True):
             # A ForeignObject is a value (an exception, but returned, never raised).
+            sid = ids[i]
+            current = self._born.get(sid, began + 1) <= began
             if isinstance(res, BaseException) and not isinstance(res, ForeignObject):
-                self._read_failed(ids[i], res)
-            elif res is None:  # deleted behind our back
-                self._forget(ids[i])
+                self._read_failed(sid, res, current)
+            elif res is None:  # deleted behind our back (unless it was put again since)
+                if current:
+                    self._forget(sid)
             else:
                 out[i] = res  # type: ignore[assignment]
         return out
 
-    def _read_failed(self, sid: str, exc: BaseException) -> None:
+    def _read_failed(self, sid: str, exc: BaseException, current: bool) -> None:
         """One unreadable file is one miss, not a failed batch."""
         if not isinstance(exc, OSError):
             raise exc
         self._stats.errors += 1
         logger.warning("%s: reading %s failed: %s", self.name, sid, exc)
-        if exc.errno in _UNREADABLE:
+        if exc.errno in _UNREADABLE and current:
             # For good, as far as we can tell: forget it, so that lookups agree with loads
             # and a later put replaces the file instead of answering EXISTS forever.
             self._forget(sid)
@@ -389,9 +414,9 @@ class DiskConnector(StoreBase):
         # or ended meanwhile. One write per id at a time keeps _pending exact, so every
         # reserved byte belongs to a write that can be waited for.
         while True:
-            pending = self._pending.get(sid)
-            if pending is not None:  # the same object is being written: wait for that write
-                await asyncio.wait([pending.done])
+            busy = self._busy.get(sid)
+            if busy is not None:  # a job on this file is in flight: wait for it
+                await asyncio.wait([busy])
             elif sid in self._index and not overwrite:
                 self._index.move_to_end(sid)
                 return PutOutcome.EXISTS
@@ -406,11 +431,10 @@ class DiskConnector(StoreBase):
         root = self._root
         if root is None:
             raise BackendUnavailable(f"{self.name} is closed")
-        replaced = []
+        victims = self._evict_until(size)
         if sid in self._index:  # an overwrite: the old file goes first, like a victim
             self._forget(sid)
-            replaced.append(_rel(sid))
-        victims = [_rel(v) for v in self._evict_until(size)] + replaced
+            victims.append(sid)
         return await self._write_file(root, sid, enc, victims)
 
     async def _write_file(
@@ -428,11 +452,15 @@ class DiskConnector(StoreBase):
         write = _Write(loop.create_future())
         waiter: asyncio.Future[None] = loop.create_future()
         job = self._executor.submit(
-            root.run, _write_object, directory, name, tmp, enc, self.fsync, victims, write
+            root.run, _write_object, directory, name, tmp, enc, self.fsync,
+            [_rel(v) for v in victims], write,
         )
         self._reserved += enc.nbytes
         self._pending[sid] = write
-        report = functools.partial(self._write_done, sid, enc.nbytes, waiter, write)
+        held = (sid, *victims)
+        for v in held:
+            self._busy[v] = write.done
+        report = functools.partial(self._write_done, held, enc.nbytes, waiter, write)
         job.add_done_callback(functools.partial(_call_on, loop, report))
         try:
             await waiter
@@ -447,16 +475,18 @@ class DiskConnector(StoreBase):
 
     def _write_done(
         self,
-        sid: str,
+        held: tuple[str, ...],
         size: int,
         waiter: asyncio.Future[None],
         write: _Write,
         job: concurrent.futures.Future[bool],
     ) -> None:
         """Runs on the loop when a write job ends, before any waiter resumes."""
+        sid = held[0]
         self._reserved -= size
         if self._pending.get(sid) is write:
             del self._pending[sid]
+        self._release(write.done, held)
         write.done.set_result(None)
         exc = None if job.cancelled() else job.exception()
         published = exc is None and not job.cancelled() and job.result()
@@ -464,8 +494,7 @@ class DiskConnector(StoreBase):
             logger.debug("%s: writing %s failed: %s", self.name, sid, exc)
         if published:
             self._forget(sid)
-            self._index[sid] = size
-            self._used += size
+            self._add(sid, size)
         if waiter.done():  # the caller was cancelled: nobody to tell
             return
         if job.cancelled():
@@ -480,9 +509,11 @@ class DiskConnector(StoreBase):
     async def _remove(self, ids: list[str]) -> int:
         if not self._ready:
             await self.start()
-        pending = [self._pending[sid].done for sid in ids if sid in self._pending]
-        if pending:
-            await asyncio.wait(pending)
+        while True:  # jobs on these files end first (and a new one may begin meanwhile)
+            busy = {self._busy[sid] for sid in ids if sid in self._busy}
+            if not busy:
+                break
+            await asyncio.wait(busy)
         for sid in ids:
             self._forget(sid)
         return await self._unlink(ids)
@@ -504,10 +535,23 @@ class DiskConnector(StoreBase):
 
     # index helpers --------------------------------------------------------------------------
 
+    def _add(self, sid: str, size: int) -> None:
+        self._indexed += 1
+        self._index[sid] = size
+        self._born[sid] = self._indexed
+        self._used += size
+
     def _forget(self, sid: str) -> None:
         size = self._index.pop(sid, None)
         if size is not None:
             self._used -= size
+            del self._born[sid]
+
+    def _release(self, job: asyncio.Future[Any], ids: Sequence[str]) -> None:
+        """A file job ended: the ids it held are free for the next one."""
+        for sid in ids:
+            if self._busy.get(sid) is job:
+                del self._busy[sid]
 
     def _evict_until(self, incoming: int) -> list[str]:
         """Pop LRU objects until ``incoming`` more bytes fit; the caller unlinks them."""
@@ -515,6 +559,7 @@ class DiskConnector(StoreBase):
         while self._index and self._used + self._reserved + incoming > self.capacity_bytes:
             sid, size = self._index.popitem(last=False)
             self._used -= size
+            del self._born[sid]
             victims.append(sid)
         self._stats.evicted += len(victims)
         return victims
@@ -523,14 +568,24 @@ class DiskConnector(StoreBase):
         root = self._root
         if root is None:
             raise BackendUnavailable(f"{self.name} is closed")
-        rels = [_rel(s) for s in ids]
+        loop = asyncio.get_running_loop()
+        # Held in _busy until the job ends, which a cancelled caller does not wait for: a
+        # put of one of these ids waits for it, so the unlink cannot remove the new file.
+        done: asyncio.Future[concurrent.futures.Future[int]] = loop.create_future()
+        job = self._executor.submit(root.run, diskio.remove_objects, [_rel(s) for s in ids])
+        for sid in ids:
+            self._busy[sid] = done
+        job.add_done_callback(functools.partial(_call_on, loop, functools.partial(
+            self._unlinked, done, ids)))
         try:
-            removed: int = await _in_thread(
-                root.run, diskio.remove_objects, rels, executor=self._executor
-            )
-            return removed
+            return (await asyncio.shield(done)).result()
         except OSError as exc:
             raise _os_error(exc, "deleting objects") from exc
+
+    def _unlinked(self, done: asyncio.Future[Any], ids: Sequence[str],
+                  job: concurrent.futures.Future[int]) -> None:
+        self._release(done, ids)
+        done.set_result(job)
 
 
 def _apply(func: Callable[..., T], *args: object) -> T:
