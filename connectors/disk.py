@@ -169,9 +169,8 @@ class DiskConnector(StoreBase):
         self.root = os.fspath(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            io_threads, thread_name_prefix=f"kvplugin-{name}"
-        )
+        self.io_threads = io_threads
+        self._executor = self._new_executor()
         self._index: OrderedDict[str, int] = OrderedDict()  # id -> size, LRU first
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes of writes in flight
@@ -207,10 +206,10 @@ class DiskConnector(StoreBase):
         try:
             root, found, temps, foreign = await asyncio.wrap_future(job)
         except OSError as exc:
-            self._started = None  # let a later call retry
+            self._failed_start()
             raise _os_error(exc, f"scanning {self.root}") from exc
-        except ConnectorError:
-            self._started = None  # e.g. the directory's owner exits later
+        except ConnectorError:  # e.g. the directory's owner exits later
+            self._failed_start()
             raise
         except asyncio.CancelledError:  # the loop is going away: let the directory go
             self._started = None
@@ -238,6 +237,20 @@ class DiskConnector(StoreBase):
             foreign,
             len(victims),
         )
+
+    def _new_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        # Threads start on the first job (the scan), not here: building takes nothing.
+        return concurrent.futures.ThreadPoolExecutor(
+            self.io_threads, thread_name_prefix=f"kvplugin-{self.name}"
+        )
+
+    def _failed_start(self) -> None:
+        """The scan failed (lock_and_scan closed what it opened): give back its thread too,
+        and let a later call start again from scratch."""
+        self._started = None
+        # The job is done, so the pool's threads are idle and exit at once.
+        self._executor.shutdown(wait=True)
+        self._executor = self._new_executor()
 
     async def _close(self) -> None:
         pending = set(self._busy.values())
