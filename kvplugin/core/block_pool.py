@@ -170,6 +170,13 @@ class BlockPool:
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         if block_mask is not None and len(block_mask) != len(new_blocks):
             raise AssertionError("block_mask length does not match the new blocks")
+        for i, blk in enumerate(new_blocks):  # checked first: a misuse changes nothing
+            if blk.block_hash is not None and not blk.is_null and (
+                    block_mask is None or block_mask[i]):
+                # Only partial->full promotion of one block may meet a hashed block.
+                done = blk.block_hash_num_tokens
+                if done is None or done >= (num_cached_blocks + i + 1) * block_size:
+                    raise AssertionError(f"block {blk.block_id} is already cached")
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         suffix = kv_cache_group_id.to_bytes(4, "big")
         events = self.enable_kv_cache_events
@@ -187,11 +194,7 @@ class BlockPool:
                 blk.block_hash_num_tokens = num_tokens
                 cache[key] = blk
             else:
-                if blk.block_hash is not None:
-                    # Only partial->full promotion of one block may meet a hashed block.
-                    if (blk.block_hash_num_tokens is None
-                            or blk.block_hash_num_tokens >= num_tokens):
-                        raise AssertionError(f"block {blk.block_id} is already cached")
+                if blk.block_hash is not None:  # a promotion (checked above)
                     self._emit_removed(self._remove_cached_block_hashes(blk))
                 self._insert_block_hash(key, blk, num_tokens)
             if events:
@@ -452,10 +455,12 @@ class BlockPool:
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
                      on_reuse: Callable[[KVCacheBlock], None]) -> None:
         """Release refs of blocks still being read until reused: tail of the queue."""
-        released = []
-        for block in blocks:
+        blocks = list(blocks)
+        for block in blocks:  # checked first: a misuse changes nothing
             if block.is_null or block.ref_cnt <= 0:
                 raise ValueError(f"unpin of block {block.block_id} with ref count {block.ref_cnt}")
+        released = []
+        for block in blocks:
             block.ref_cnt -= 1
             self._reuse_watchers[block.block_id] = on_reuse
             if block.ref_cnt == 0:
@@ -468,9 +473,10 @@ class BlockPool:
         its new owner can write it) or on reset; refs are untouched. kvplugin's own hook
         (not in vLLM): a store copies a block out lazily and must copy it before reuse.
         Like :meth:`unpin_blocks`, one watcher per block: a new one replaces the old."""
+        blocks = list(blocks)
+        if any(block.is_null for block in blocks):  # checked first: a misuse changes nothing
+            raise ValueError("the null block is never handed out: nothing to watch")
         for block in blocks:
-            if block.is_null:
-                raise ValueError("the null block is never handed out: nothing to watch")
             self._reuse_watchers[block.block_id] = on_reuse
 
     def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -516,12 +516,12 @@ class KVCacheManager:
         return ids
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        for m in self.coordinator.single_type_managers:
-            if m.records_new_block_ids:
-                if start_token % m.block_size:
-                    raise ValueError("start_token must be block-aligned")
-                table = m.req_to_blocks.get(request_id, [])
-                m.new_block_ids.extend(b.block_id for b in table[start_token // m.block_size:])
+        managers = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
+        if any(start_token % m.block_size for m in managers):  # before any group records
+            raise ValueError("start_token must be block-aligned")
+        for m in managers:
+            table = m.req_to_blocks.get(request_id, [])
+            m.new_block_ids.extend(b.block_id for b in table[start_token // m.block_size:])
 
     def get_zeroing_block_ids_in_range(self, request_id: str, start_token: int,
                                        end_token: int) -> list[int]:

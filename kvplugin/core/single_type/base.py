@@ -129,17 +129,17 @@ class SingleTypeKVCacheManager:
         num_external_computed_tokens: int,
     ) -> None:
         """First-time adoption of local prefix hits (touch, null-pad skipped positions)."""
-        table = self.req_to_blocks[request_id]
-        if table:
+        if self.req_to_blocks.get(request_id):
             raise AssertionError(f"request {request_id} already has blocks in this group")
         total = num_local_computed_tokens + num_external_computed_tokens
         skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
         if skipped_blocks > 0:
             new_computed_blocks = new_computed_blocks[skipped_blocks:]
+        if not self.enable_caching and any(new_computed_blocks):  # before the table exists
+            raise AssertionError("prefix hits are impossible with caching disabled")
+        table = self.req_to_blocks[request_id]
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
-        elif any(new_computed_blocks):
-            raise AssertionError("prefix hits are impossible with caching disabled")
         if skipped_blocks:
             table.extend([self._null_block] * skipped_blocks)
         table.extend(new_computed_blocks)
