@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
+from connectors.events import DEFAULT_EVENT_LIMIT, EventLog, TierEvent
 from connectors.keys import ObjectKey
 from kvplugin import serde
 from kvplugin.serde import PLAIN, Block, BlockFormatError, Codec, DraftBlock, EncodedBlock
@@ -345,6 +346,19 @@ class Connector(abc.ABC):
 
     name: str
     capabilities: Capabilities
+    _event_log: EventLog | None = None  # set by watch_events
+
+    def watch_events(self, limit: int = DEFAULT_EVENT_LIMIT) -> None:
+        """Record this tier's events from now on (:mod:`connectors.events`): objects stored,
+        removed (evicted, deleted, corrupt, found gone), the tier cleared. Idempotent; at
+        most ``limit`` held between two :meth:`take_events`. A composite watches its tiers;
+        a connector that records nothing (a third-party one) returns no events."""
+        if self._event_log is None:
+            self._event_log = EventLog(self.capabilities.tier, limit)
+
+    def take_events(self) -> list[TierEvent]:
+        """The events recorded since the last call, oldest first."""
+        return [] if self._event_log is None else self._event_log.take()
 
     @property
     def codec(self) -> Codec:
@@ -540,7 +554,7 @@ class StoreBase(Guarded, Connector):
         timeout = check_timeout(timeout)
         if not ids:
             return 0
-        n = await self._read("lookup", self._prefix_present(ids), timeout, 0)
+        n = await self._read("lookup", self._present(ids), timeout, 0)
         self._stats.lookups += 1
         self._stats.lookup_keys += len(ids)
         self._stats.lookup_hits += n
@@ -557,7 +571,7 @@ class StoreBase(Guarded, Connector):
         if rest:
             sub = [keys[i] for i in rest]
             misses: list[Loaded] = [None] * len(sub)
-            more = await self._read("get", self._load(sub), timeout, misses)
+            more = await self._read("get", self._load_seen(sub), timeout, misses)
             for i, item in zip(rest, more, strict=True):
                 loaded[i] = item
         corrupt: list[str] = []
@@ -565,6 +579,21 @@ class StoreBase(Guarded, Connector):
         if corrupt:
             await self._drop_corrupt(corrupt, deadline)
         return out
+
+    async def _present(self, ids: list[str]) -> int:
+        n = await self._prefix_present(ids)
+        if n < len(ids) and self._event_log is not None and self.capabilities.shared:
+            # A shared tier answered that a key is not there: if this process stored it,
+            # the tier's own eviction or TTL (or another writer) removed it.
+            self._event_log.removed((ids[n],), "gone")
+        return n
+
+    async def _load_seen(self, keys: list[ObjectKey]) -> list[Loaded]:
+        loaded = await self._load(keys)
+        if self._event_log is not None and self.capabilities.shared:
+            self._event_log.removed([k.id for k, item in zip(keys, loaded, strict=True)
+                                     if item is None], "gone")
+        return loaded
 
     def _accept(self, key: ObjectKey, item: Loaded, corrupt: list[str]) -> Block | None:
         if isinstance(item, Block) and not key.matches(item.meta):
@@ -587,6 +616,8 @@ class StoreBase(Guarded, Connector):
 
         With no time left the delete is skipped rather than overrunning the caller's
         deadline: the object is never returned, and the next load that meets it drops it."""
+        if self._event_log is not None:  # never returned again, whether or not deleted now
+            self._event_log.removed(ids, "corrupt")
         budget = deadline.remaining()
         if budget <= 0:
             logger.info("%s: no time left to delete %d corrupt object(s)", self.name, len(ids))
@@ -614,6 +645,9 @@ class StoreBase(Guarded, Connector):
 
     def _count_puts(self, batch: list[tuple[str, Encoded]], outcomes: list[PutOutcome]) -> int:
         present = 0
+        if self._event_log is not None:  # writes were told as they landed (see _committed)
+            self._event_log.stored([sid for (sid, _), outcome in zip(batch, outcomes, strict=True)
+                                    if outcome is PutOutcome.EXISTS])
         for (_, enc), outcome in zip(batch, outcomes, strict=True):
             if outcome is PutOutcome.WRITTEN:
                 self._stats.stored += 1
@@ -632,6 +666,10 @@ class StoreBase(Guarded, Connector):
         timeout = check_timeout(timeout)
         if not ids:
             return 0
+        if self._event_log is not None:
+            # Told first: a delete cut short may still remove them (a router that believes
+            # too little routes worse; one that believes too much routes to a miss).
+            self._event_log.removed(ids, "deleted")
         n = await self._write("delete", self._remove(ids), timeout)
         self._stats.deleted += n
         return n
@@ -657,6 +695,18 @@ class StoreBase(Guarded, Connector):
             return
         self._closed = True
         await self._close()
+        if self._event_log is not None:  # nothing of it is reachable through us any more
+            self._event_log.cleared("closed")
+
+    def _committed(self, ids: Sequence[str]) -> None:
+        """Objects a write just made present (told at once: a caller that stopped waiting
+        does not stop a write that lands)."""
+        if self._event_log is not None:
+            self._event_log.stored(ids)
+
+    def _evicted(self, ids: Sequence[str], reason: str = "evicted") -> None:
+        if self._event_log is not None:
+            self._event_log.removed(ids, reason)
 
     # raw access (tooling, migration, fault tests) --------------------------------------------
 

@@ -390,6 +390,7 @@ class DiskConnector(StoreBase):
             elif res is None:  # deleted behind our back (unless it was put again since)
                 if current:
                     self._forget(sid)
+                    self._evicted((sid,), "gone")
             else:
                 out[i] = res  # type: ignore[assignment]
         return out
@@ -404,6 +405,7 @@ class DiskConnector(StoreBase):
             # For good, as far as we can tell: forget it, so that lookups agree with loads
             # and a later put replaces the file instead of answering EXISTS forever.
             self._forget(sid)
+            self._evicted((sid,), "gone")
 
     async def _store(
         self, items: list[tuple[str, Encoded]], *, overwrite: bool
@@ -508,6 +510,7 @@ class DiskConnector(StoreBase):
         if published:
             self._forget(sid)
             self._add(sid, size)
+            self._committed((sid,))
         if waiter.done():  # the caller was cancelled: nobody to tell
             return
         if job.cancelled():
@@ -575,6 +578,7 @@ class DiskConnector(StoreBase):
             del self._born[sid]
             victims.append(sid)
         self._stats.evicted += len(victims)
+        self._evicted(victims)
         return victims
 
     async def _unlink(self, ids: Sequence[str]) -> int:

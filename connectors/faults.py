@@ -44,6 +44,7 @@ from connectors.base import (
     check_timeout,
     encode_once,
 )
+from connectors.events import DEFAULT_EVENT_LIMIT, TierEvent
 from connectors.keys import ObjectKey
 from kvplugin.serde import Block, Codec, EncodedBlock
 
@@ -105,6 +106,12 @@ class FaultInjector(Guarded, Connector):
     @property
     def codec(self) -> Codec:
         return self.inner.codec
+
+    def watch_events(self, limit: int = DEFAULT_EVENT_LIMIT) -> None:
+        self.inner.watch_events(limit)  # what the tier really did, faults included
+
+    def take_events(self) -> list[TierEvent]:
+        return self.inner.take_events()
 
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()

@@ -130,13 +130,17 @@ class MemoryConnector(StoreBase):
             self._used -= _size(self._objects.pop(sid))
         if enc.nbytes > self.capacity_bytes:
             return PutOutcome.REJECTED
+        victims = []
         while self._used + enc.nbytes > self.capacity_bytes:
-            _, victim = self._objects.popitem(last=False)
+            gone, victim = self._objects.popitem(last=False)
             self._used -= _size(victim)
             self._stats.evicted += 1
+            victims.append(gone)
+        self._evicted(victims)
         # One copy at most: the caller's buffers may be reused as soon as put returns.
         self._objects[sid] = split_if_immutable(enc) or self._copy(enc)
         self._used += enc.nbytes
+        self._committed((sid,))
         return PutOutcome.WRITTEN
 
     def _copy(self, enc: EncodedBlock) -> bytes | SplitObject:

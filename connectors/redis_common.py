@@ -216,6 +216,7 @@ class RedisStoreBase(StoreBase):
                 written[taken[i]] = True
         # Content-addressed: a string already under the key is the same object (a damaged
         # one is caught, counted and deleted by the next get).
+        self._committed([sid for (sid, _), done in zip(items, written, strict=True) if done])
         return [PutOutcome.WRITTEN if done else PutOutcome.EXISTS for done in written]
 
     async def _reclaim(self, keys: list[bytes], encs: list[EncodedBlock]) -> list[int]:
@@ -244,6 +245,7 @@ class RedisStoreBase(StoreBase):
         """Non-string values under our keys: count them as corrupt and remove them (a failed
         removal is counted and retried by the next call that finds them)."""
         self._stats.corrupt_detected += len(ids)
+        self._evicted(ids, "corrupt")
         self._log.warning("%s %s: removing %d non-string value(s)", self.name, op, len(ids))
         try:
             await self._remove(ids)

@@ -47,6 +47,7 @@ from connectors.base import (
     common_codec,
     encode_once,
 )
+from connectors.events import DEFAULT_EVENT_LIMIT, TierEvent
 from connectors.keys import ObjectKey
 from kvplugin.serde import Block, Codec
 
@@ -122,6 +123,13 @@ class TieredConnector(Guarded, Connector):
     @property
     def codec(self) -> Codec:
         return self._codec
+
+    def watch_events(self, limit: int = DEFAULT_EVENT_LIMIT) -> None:
+        for tier in self.tiers:  # each tier tells what it holds, under its own name
+            tier.watch_events(limit)
+
+    def take_events(self) -> list[TierEvent]:
+        return [e for tier in self.tiers for e in tier.take_events()]
 
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()
