@@ -90,6 +90,11 @@ class MemoryConnector(StoreBase):
     def __len__(self) -> int:
         return len(self._objects)
 
+    def objects(self) -> dict[str, int]:
+        """Storage id -> bytes of each object held, least recently used first (a copy; for
+        tools and tests)."""
+        return {sid: _size(obj) for sid, obj in self._objects.items()}
+
     async def _prefix_present(self, ids: list[str]) -> int:
         n = 0
         for sid in ids:

@@ -319,6 +319,9 @@ class OffloadConfigSection(_Strict):
                                    description="bytes of stores in flight, MB; more is shed")
     store_prompt_only: bool = Field(default=False,
                                     description="store prompt tokens only, not answers")
+    tier_events: bool = Field(default=True,
+                              description="KV events (stored / removed) from every tier, "
+                                          "beside the device cache's")
 
     @model_validator(mode="after")
     def _tiers(self) -> OffloadConfigSection:

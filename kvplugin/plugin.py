@@ -149,7 +149,8 @@ def offload_config(cfg: KVPluginConfig) -> OffloadConfig:
         store_budget_bytes=int(off.store_budget_mb * (1 << 20)),
         store_mode=StoreMode(off.store_mode),
         load_failure_policy=LoadFailurePolicy(off.load_failure_policy),
-        store_prompt_only=off.store_prompt_only)
+        store_prompt_only=off.store_prompt_only,
+        tier_events=off.tier_events and cfg.layout.enable_kv_cache_events)
 
 
 class Plugin:

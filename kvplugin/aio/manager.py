@@ -72,6 +72,7 @@ from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, Stores
 from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
+from kvplugin.aio.tier_events import TierEventView
 from kvplugin.aio.values import (
     Admission,
     Latency,
@@ -84,6 +85,7 @@ from kvplugin.aio.values import (
     ResidencyRecorder,
     StoreMode,
 )
+from kvplugin.core.events import KVCacheEvent
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
@@ -182,13 +184,17 @@ class AsyncKVManager:
         self._residency = ResidencyRecorder()
         self._loads: Loads | None = None
         self._stores: Stores | None = None
+        self.tier_events: TierEventView | None = None
         if connector is not None:
+            if config.tier_events:
+                self.tier_events = TierEventView()
+                connector.watch_events()
             wiring: dict[str, Any] = dict(
                 core=core, connector=connector, tiers=self.tiers, config=config,
                 memory=memory, layout=self.layout, keyspace=self.keyspace, gate=self._gate,
                 stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency)
             self._loads = Loads(**wiring)
-            self._stores = Stores(**wiring)
+            self._stores = Stores(**wiring, events=self.tier_events)
         self._closed = False
 
     @property
@@ -609,6 +615,16 @@ class AsyncKVManager:
         if self.connector is None:
             return []
         return [t.stats() for t in connector_tiers(self.connector)]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV-cache events since the last call: the device cache's (the core's, medium GPU)
+        then, with ``tier_events`` on, the tiers' (medium CPU / DISK / REDIS: blocks
+        stored, removed; see :mod:`kvplugin.aio.tier_events` for what a router can and
+        cannot learn). One stream for a subscriber (``kvplugin.aio.publisher``)."""
+        events = self.core.take_events()
+        if self.tier_events is not None and self.connector is not None:
+            events += self.tier_events.apply(self.connector.take_events())
+        return events
 
     async def drain(self) -> None:
         """Wait until every job started so far (and any they lead to) has ended.

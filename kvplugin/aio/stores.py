@@ -27,6 +27,7 @@ from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import HostKVMemory
 from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import NO_HOLE, ReqState
+from kvplugin.aio.tier_events import TierEventView, describe_chunk, describe_state
 from kvplugin.aio.values import LatencyRecorder, Lookup, OffloadConfig, OffloadStats, StoreMode
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.manager import KVCacheManager
@@ -165,7 +166,8 @@ class JobSide:
     def __init__(self, *, core: KVCacheManager, connector: Connector, tiers: Sequence[str],
                  config: OffloadConfig, memory: HostKVMemory, layout: plans.Layout,
                  keyspace: KeySpace, gate: IOGate, stats: OffloadStats, jobs: set[Job],
-                 holds: Holds, latency: LatencyRecorder) -> None:
+                 holds: Holds, latency: LatencyRecorder,
+                 events: TierEventView | None = None) -> None:
         self._core = core
         self._connector = connector
         self._tiers = tuple(tiers)
@@ -178,6 +180,7 @@ class JobSide:
         self._jobs = jobs
         self._holds = holds
         self._latency = latency
+        self._events = events  # tier events on: what each stored object stands for
 
 
 class Stores(JobSide):
@@ -336,6 +339,8 @@ class Stores(JobSide):
                                   shape=(self._layout.chunk_blocks, *shape.dims))
             items.append((c.key, Block(meta, payload)))
             nbytes += c.nbytes
+            if self._events is not None:
+                self._describe(st, c, state)
         job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
                        owner=st, states=num_states,
                        partial_tails=sum(c.tail for c in take), first_token=first_token,
@@ -354,7 +359,20 @@ class Stores(JobSide):
         start_job(job, coro, f"kv-store-{st.req.request_id}", self._end)
         self._jobs.add(job)
 
+    def _describe(self, st: ReqState, c: _Candidate, state: bool) -> None:
+        assert self._events is not None
+        req = st.req
+        if state:
+            info = describe_state(req.block_hashes, c.group, c.index, self._hbs)
+        else:
+            ct = self._layout.chunk_tokens(c.group)
+            info = describe_chunk(req.block_hashes, req.all_token_ids, c.group, c.index * ct,
+                                  (c.index + 1) * ct, self._hbs)
+        self._events.describe(c.key.id, info)
+
     def _end(self, job: StoreJob) -> None:
+        if self._events is not None:
+            self._events.settle(list(job.key_ids))
         if job.pending is not None:
             self.copies.discard(job.pending)
         self._latency.store.observe(time.perf_counter() - job.started)

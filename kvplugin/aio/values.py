@@ -67,6 +67,7 @@ class OffloadConfig:
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
     store_prompt_only: bool = False  # vLLM's offload_prompt_only; chat follow-ups want False
     close_connector: bool = True  # aclose() closes the connector (the manager owns it)
+    tier_events: bool = False  # take_events() includes the tiers' (see aio.tier_events)
 
     def __post_init__(self) -> None:
         for name in ("lookup_timeout", "load_timeout", "store_timeout"):

@@ -94,6 +94,7 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
                 total = len(specs) if specs is not None else cfg.workload.num_requests
                 served = await _served(dep, feed, progress, total)
                 await dep.mgr.drain()
+                dep.engine.flush_events()  # the last stores' events reach the subscribers
             wall = time.perf_counter() - t0
         finally:
             await probe.stop()

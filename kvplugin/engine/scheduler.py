@@ -40,11 +40,12 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission, LoadOutcome, LoadStatus, Lookup
+from kvplugin.core.events import MEDIUM_GPU, KVCacheEvent
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
 from kvplugin.engine.clock import Clock, SimClock, let_clients_run
 from kvplugin.engine.model import FakeModel, Work
@@ -107,7 +108,8 @@ class EngineStats:
     unstuck: int = 0  # loaded requests sent back to the queue to free a stuck pool
     device_hit_tokens: int = 0
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
-    kv_events: int = 0
+    kv_events: int = 0  # KV-cache events of the device cache and (tier_events) the tiers
+    tier_events: int = 0  # of those, the tiers' (medium other than GPU)
     restored_states: int = 0  # Mamba states a request resumed from after a load
     restored_partial_states: int = 0  # of those, at a boundary inside a Mamba block
     # Wall time of every step that ran (schedule, model, bookkeeping), for latency figures
@@ -148,6 +150,8 @@ class Engine:
         self.kv_holding: deque[EngineRequest] = deque()  # loaded, holding blocks: go first
         self.loading: dict[str, EngineRequest] = {}
         self.stats = EngineStats()
+        # Subscribers of the KV-cache event stream (a publisher, a router's test probe).
+        self.event_sinks: list[Callable[[list[KVCacheEvent]], None]] = []
         self._loras: dict[str, LoRAInfo] = {}
         self._wake = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
@@ -158,6 +162,19 @@ class Engine:
         self._block_sizes = [s.block_size for s in mgr.memory.shapes]
         self._state_block_sizes = [s.block_size for s in mgr.memory.shapes
                                    if s.kind == "state"]
+
+    def _publish(self, events: list[KVCacheEvent]) -> None:
+        if not events:
+            return
+        self.stats.kv_events += len(events)
+        self.stats.tier_events += sum(1 for e in events
+                                      if getattr(e, "medium", MEDIUM_GPU) != MEDIUM_GPU)
+        for sink in self.event_sinks:
+            sink(events)
+
+    def flush_events(self) -> None:
+        """Publish what happened since the last step (the run's end: the last stores)."""
+        self._publish(self.mgr.take_events())
 
     # ------------------------------------------------------------------ submitting
     def add_request(self, request_id: str, prompt: Sequence[int], *, tenant: str,
@@ -324,7 +341,7 @@ class Engine:
         t0 = time.perf_counter()
         self.mgr.core.new_step_starts()
         batch = self.schedule()
-        self.stats.kv_events += len(self.mgr.core.take_events())
+        self._publish(self.mgr.take_events())
         if not batch:
             await self._run_checks()
             return False

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.aio.plans",
        "kvplugin.aio.memory", "kvplugin.aio.keys", "kvplugin.aio.values",
        "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
-       "kvplugin.aio.tenants", "kvplugin.aio.ledger"]
+       "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events"]
 
 
 def _loaded_after(*modules: str) -> set[str]:
