@@ -65,9 +65,16 @@ class EventLog:
         self._events.append(TierEvent(CLEARED, self.tier, (), reason))
 
     def take(self) -> list[TierEvent]:
-        out = list(self._events)
-        self._events.clear()
-        self._held = 0
+        """The held events, oldest first. Safe from another thread than the recording one
+        (each event is popped once; the bound's count may lag by the events in between)."""
+        out = []
+        pop = self._events.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            pass
+        self._held = max(0, self._held - sum(len(e.ids) for e in out))
         return out
 
     def _add(self, kind: str, ids: tuple[str, ...], reason: str) -> None:

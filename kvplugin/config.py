@@ -435,6 +435,10 @@ class EngineConfig(_Strict):
     decode_step_ms: float = Field(default=1.0, ge=0,
                                   description="simulated model time of a step with decodes, ms")
     uvloop: bool = Field(default=True, description="use uvloop when it is installed")
+    kv_events_endpoint: str | None = Field(
+        default=None, description="publish the KV events (device cache and tiers) on this "
+                                  "ZMQ endpoint in vLLM's wire format, e.g. "
+                                  "tcp://127.0.0.1:5557 (needs kvplugin[events])")
     deterministic: bool = Field(
         default=True, description="simulated time: every lookup, load and store settles "
                                   "at the step boundary, so the same seed gives the same "

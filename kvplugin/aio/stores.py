@@ -363,11 +363,13 @@ class Stores(JobSide):
         assert self._events is not None
         req = st.req
         if state:
-            info = describe_state(req.block_hashes, c.group, c.index, self._hbs)
+            info = describe_state(req.block_hashes, req.all_token_ids, c.group, c.index,
+                                  self._hbs)
         else:
             ct = self._layout.chunk_tokens(c.group)
             info = describe_chunk(req.block_hashes, req.all_token_ids, c.group, c.index * ct,
-                                  (c.index + 1) * ct, self._hbs)
+                                  (c.index + 1) * ct, self._hbs,
+                                  self._memory.shapes[c.group].block_size)
         self._events.describe(c.key.id, info)
 
     def _end(self, job: StoreJob) -> None:

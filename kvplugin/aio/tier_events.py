@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from connectors.events import TierEvent
 from kvplugin.core.blocks import external_block_hash
@@ -44,29 +45,35 @@ class ObjectInfo:
     """What a stored object covers, in the events' terms."""
 
     group: int
-    block_hashes: tuple[int, ...]
-    parent: int | None
+    block_hashes: tuple[Any, ...]  # the publisher's form: ints (native), vLLM's own on vLLM
+    parent: Any
     token_ids: tuple[int, ...]
     block_size: int
+    spec_kind: str | None = None  # vLLM's kv_cache_spec_kind / sliding window, when known
+    sliding_window: int | None = None
 
 
 def describe_chunk(block_hashes: Sequence[bytes], token_ids: Sequence[int], group: int,
-                   start: int, stop: int, hash_block_size: int) -> ObjectInfo:
-    """The chunk of tokens ``[start, stop)`` of a request (its hash list and tokens)."""
-    first, last = start // hash_block_size, stop // hash_block_size
-    return ObjectInfo(
-        group, tuple(external_block_hash(h) for h in block_hashes[first:last]),
-        external_block_hash(block_hashes[first - 1]) if first else None,
-        tuple(token_ids[start:stop]), hash_block_size)
+                   start: int, stop: int, hash_block_size: int,
+                   block_size: int) -> ObjectInfo:
+    """The chunk of tokens ``[start, stop)`` of a request (its hash list and tokens), in
+    the group's blocks as the device cache's own events name them (a block's hash is the
+    hash ending at its last token)."""
+    stride = block_size // hash_block_size
+    hashes = tuple(external_block_hash(block_hashes[(b + 1) * stride - 1])
+                   for b in range(start // block_size, stop // block_size))
+    first = start // hash_block_size
+    parent = external_block_hash(block_hashes[first - 1]) if first else None
+    return ObjectInfo(group, hashes, parent, tuple(token_ids[start:stop]), block_size)
 
 
-def describe_state(block_hashes: Sequence[bytes], group: int, boundary: int,
-                   hash_block_size: int) -> ObjectInfo:
+def describe_state(block_hashes: Sequence[bytes], token_ids: Sequence[int], group: int,
+                   boundary: int, hash_block_size: int) -> ObjectInfo:
     """A recurrent state taken at ``boundary`` tokens: it stands for the block ending there."""
     n = boundary // hash_block_size
     parent = external_block_hash(block_hashes[n - 2]) if n > 1 else None
-    return ObjectInfo(group, (external_block_hash(block_hashes[n - 1]),), parent, (),
-                      hash_block_size)
+    return ObjectInfo(group, (external_block_hash(block_hashes[n - 1]),), parent,
+                      tuple(token_ids[boundary - hash_block_size:boundary]), hash_block_size)
 
 
 class TierEventView:
@@ -149,7 +156,9 @@ class TierEventView:
         told.add(tier)
         self._emit(BlockStored(
             list(info.block_hashes), info.parent, list(info.token_ids), info.block_size,
-            None, tier_medium(tier), None, group_idx=info.group, ownership=OWNERSHIP))
+            None, tier_medium(tier), None, group_idx=info.group,
+            kv_cache_spec_kind=info.spec_kind, kv_cache_spec_sliding_window=info.sliding_window,
+            ownership=OWNERSHIP))
 
     def _take_back(self, sid: str, tiers: set[str]) -> None:
         info = self._info.get(sid)

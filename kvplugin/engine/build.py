@@ -141,7 +141,17 @@ async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = No
                                                 e.decode_step_ms / 1000), cfg.workload.vocab,
                           clock)
         engine = Engine(mgr, model, limits_of(cfg), clock)
+        publisher = None
+        if e.kv_events_endpoint is not None:
+            from kvplugin.publisher import ZmqEventPublisher
+
+            publisher = ZmqEventPublisher(e.kv_events_endpoint)
+            engine.event_sinks.append(publisher.publish)
         try:
             yield Deployment(mgr, model, engine, plugin.connector, plugin.injectors)
         finally:
-            await engine.aclose()
+            try:
+                await engine.aclose()
+            finally:
+                if publisher is not None:
+                    publisher.close()

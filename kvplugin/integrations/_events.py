@@ -2,15 +2,16 @@
 
 A store is decided by the scheduler but done by the workers, so an event is born in two
 halves: the scheduler describes each stored object (:class:`StoredObject`: its block
-hashes, tokens, group) in the step's metadata; a worker turns the description into a
-``BlockStored`` once the tiers confirmed the put, and returns it through
-``get_kv_connector_kv_cache_events``. The scheduler's connector gathers every worker's
-events (``update_connector_output``) and hands vLLM those all workers reported
-(``take_events``): with tensor parallelism an object is stored only once every rank's
-shard is. vLLM publishes them with its own GPU events (``KVEventBatch``).
-
-``BlockRemoved`` is not emitted: the tiers evict on their own (LRU, capacity, TTL) and tell
-no one; a failed store emits nothing.
+hashes, tokens, group) in the step's metadata; the worker that stores it hands the
+description to a :class:`~kvplugin.aio.tier_events.TierEventView` (the native manager's
+rules: told once per tier, taken back exactly) and turns the tiers' own events into
+``BlockStored`` when a tier confirmed the write and ``BlockRemoved`` when a tier evicts,
+deletes, drops a corrupt object or (Redis) is found without it. The worker returns them
+through ``get_kv_connector_kv_cache_events``; the scheduler's connector gathers every
+worker's events (``update_connector_output``) and hands vLLM those all workers reported
+(``take_events``: with tensor parallelism an object is stored once every rank's shard
+is, and a removal is told once every rank reported it). vLLM publishes them with its own
+GPU events (``KVEventBatch``). The medium is the tier: CPU (memory), DISK, REDIS.
 """
 
 from __future__ import annotations
@@ -19,15 +20,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StoredObject", "medium_of", "new_events", "stored_event"]
+from kvplugin.aio.tier_events import ObjectInfo
+from kvplugin.core import events as core_events
 
-# Tier kinds (kvplugin.config) -> vLLM's media: host memory is "CPU", the rest "STORAGE".
-_MEDIA = {"memory": "CPU"}
-
-
-def medium_of(tier_kinds: list[str]) -> str:
-    """The medium of a store: the fastest tier's (a store lands there first)."""
-    return _MEDIA.get(tier_kinds[0], "STORAGE") if tier_kinds else "STORAGE"
+__all__ = ["StoredObject", "info_of", "new_events", "to_vllm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +39,30 @@ class StoredObject:
     sliding_window: int | None
 
 
-def stored_event(obj: StoredObject, medium: str) -> Any:
-    kv_events = importlib.import_module("vllm.distributed.kv_events")
+def info_of(obj: StoredObject) -> ObjectInfo:
+    """The description the tier event view keeps, hashes in vLLM's published form."""
     utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
     conv = utils.maybe_convert_block_hash
-    return kv_events.BlockStored(
-        block_hashes=[conv(h) for h in obj.block_hashes],
-        parent_block_hash=None if obj.parent is None else conv(obj.parent),
-        token_ids=list(obj.token_ids), block_size=obj.block_size, lora_id=None,
-        medium=medium, lora_name=None, group_idx=obj.group,
-        kv_cache_spec_kind=obj.spec_kind, kv_cache_spec_sliding_window=obj.sliding_window,
-        ownership="kvplugin")
+    return ObjectInfo(obj.group, tuple(conv(h) for h in obj.block_hashes),
+                      None if obj.parent is None else conv(obj.parent), obj.token_ids,
+                      obj.block_size, obj.spec_kind, obj.sliding_window)
+
+
+def to_vllm(event: core_events.KVCacheEvent) -> Any:
+    """kvplugin's event (vLLM's fields) as vLLM's own class."""
+    kv_events = importlib.import_module("vllm.distributed.kv_events")
+    if isinstance(event, core_events.BlockStored):
+        return kv_events.BlockStored(
+            block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids, block_size=event.block_size, lora_id=None,
+            medium=event.medium, lora_name=None, group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            ownership=event.ownership)
+    if isinstance(event, core_events.BlockRemoved):
+        return kv_events.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium,
+                                      group_idx=event.group_idx, ownership=event.ownership)
+    return kv_events.AllBlocksCleared()
 
 
 _EVENTS_CLASS: Any = None

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from connectors.base import Connector
+from connectors.events import TierEvent
 from connectors.faults import FaultInjector
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape
@@ -70,6 +71,28 @@ class Runtime:
             off, disk_root, fault_wrapper(config.faults, self.injectors))
         self.loop = LoopThread(name="kvplugin-vllm-loop")
         self.refs = 0
+        # Tier events, fanned out: every worker sharing these tiers sees every event.
+        self._events_lock = threading.Lock()
+        self._subscribers: dict[int, list[TierEvent]] = {}
+
+    def subscribe_events(self) -> int:
+        """A worker's token for :meth:`take_events` (the tiers start recording)."""
+        with self._events_lock:
+            self.connector.watch_events()
+            token = len(self._subscribers)
+            self._subscribers[token] = []
+            return token
+
+    def take_events(self, token: int) -> list[TierEvent]:
+        """The tiers' events since this subscriber's last call (recorded on the loop
+        thread; taken from a worker's, so under a lock)."""
+        with self._events_lock:
+            new = self.connector.take_events()
+            if new:
+                for queue in self._subscribers.values():
+                    queue.extend(new)
+            out, self._subscribers[token] = self._subscribers[token], []
+            return out
 
     def close(self) -> None:
         try:

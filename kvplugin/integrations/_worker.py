@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from connectors.keys import ObjectKey
+from kvplugin.aio.tier_events import TierEventView
 from kvplugin.integrations import _events
 from kvplugin.integrations._groups import pages_out
 from kvplugin.integrations._stats import KVPluginStats
@@ -49,11 +50,11 @@ class _Pending:
 
 @dataclass(slots=True)
 class _Put:
-    """A store in flight and the events it reports once every object is in."""
+    """A store in flight (``described``: its objects the tier event view knows)."""
 
     future: concurrent.futures.Future[int]
     count: int
-    events: list[_events.StoredObject]
+    described: list[str]
     nbytes: int
 
 
@@ -64,8 +65,10 @@ class _WorkerState:
     awaiting_send: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)  # finished with a failure
-    stored: list[_events.StoredObject] = field(default_factory=list)
     stats: KVPluginStats = field(default_factory=KVPluginStats)
+    # Tier events on: what this worker's stored objects stand for, and its subscription.
+    view: TierEventView | None = None
+    subscription: int = -1
 
 
 class WorkerSide:
@@ -75,12 +78,13 @@ class WorkerSide:
     _groups: list[GroupIO]
     _maps: list[PageMap]
     _w: _WorkerState
-    _medium: str
 
-    def _init_worker(self, medium: str) -> None:
+    def _init_worker(self, events: bool) -> None:
         self._maps = []
         self._w = _WorkerState()
-        self._medium = medium
+        if events and self._rt is not None:
+            self._w.view = TierEventView()
+            self._w.subscription = self._rt.subscribe_events()
 
     if TYPE_CHECKING:  # provided by vLLM's base class and by the connector
         def _get_connector_metadata(self) -> Any: ...
@@ -171,10 +175,15 @@ class WorkerSide:
             items = self._items_out(spec.pieces)
             rt = self._tiers
             fut = rt.loop.submit(rt.connector.put(items, timeout=rt.timeouts.store))
-            events = [p.event for p in spec.pieces if p.event is not None]
+            described = []
+            if self._w.view is not None:
+                for p in spec.pieces:
+                    if p.event is not None:  # its events may come from now on
+                        self._w.view.describe(p.key.id, _events.info_of(p.event))
+                        described.append(p.key.id)
             nbytes = sum(memoryview(b.payload).nbytes for _, b in items)
             self._w.saves.setdefault(spec.req_id, []).append(
-                _Put(fut, len(items), events, nbytes))
+                _Put(fut, len(items), described, nbytes))
 
     def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
         out = []
@@ -235,12 +244,13 @@ class WorkerSide:
 
     def _settle(self, rid: str, puts: list[_Put]) -> None:
         for p in puts:
+            if self._w.view is not None:
+                self._w.view.settle(p.described)
             exc = None if p.future.cancelled() else p.future.exception()
             if p.future.cancelled() or exc is not None:
                 logger.warning("kvplugin store for %s failed: %r", rid, exc)
                 self._w.stats.add("stores_failed")
             elif p.future.result() >= p.count:
-                self._w.stored += p.events  # every object of the put is in the tier
                 self._w.stats.add("objects_stored", p.count)
                 self._w.stats.add("bytes_stored", p.nbytes)
             else:
@@ -260,10 +270,13 @@ class WorkerSide:
         return stats
 
     def get_kv_connector_kv_cache_events(self) -> Any:
-        """``BlockStored`` of the objects whose puts completed since the last call."""
-        if not self._w.stored:
+        """The tiers' ``BlockStored`` / ``BlockRemoved`` since the last call (:mod:`._events`)."""
+        view = self._w.view
+        if view is None or self._rt is None:
             return None
-        stored, self._w.stored = self._w.stored, []
+        told = view.apply(self._rt.take_events(self._w.subscription))
+        if not told:
+            return None
         events = _events.new_events(1)
-        events.add_events([_events.stored_event(s, self._medium) for s in stored])
+        events.add_events([_events.to_vllm(e) for e in told])
         return events

@@ -21,7 +21,7 @@ from connectors.faults import LocalRedisServer
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 ALL = ["disk", "redis", "corrupt", "poison", "async", "preempt", "native", "dead", "multiturn",
-       "events", "pages",
+       "events", "events_evict", "pages",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
        "mamba_preempt_alone", "refusals", "mla", "mla_corrupt", "native_mla", "local",
@@ -394,16 +394,23 @@ def test_mamba_pool_smaller_than_one_request_stalls_vllm_alone_too(
 # ---------------------------------------------------------------- KV events
 def test_tier_stores_reach_vllms_kv_event_publisher(results: dict[str, Any]) -> None:
     ev = results["events"]["events"]
-    # Every stored chunk became one BlockStored (medium STORAGE: the disk tier) that vLLM's
+    # Every stored chunk became one BlockStored (medium DISK: the disk tier) that vLLM's
     # scheduler published with its own GPU events; each names blocks vLLM computed.
     assert ev["tier_stored"] == results["events"]["saved_chunks"] == 30
-    assert ev["media"] == ["STORAGE"] and ev["ownership"] == ["kvplugin"]
+    assert ev["media"] == ["DISK"] and ev["ownership"] == ["kvplugin"]
     assert ev["groups"] == {"0": 30} and ev["kinds"] == ["full_attention"]
     assert ev["tier_hashes_on_gpu"] and ev["tier_tokens_ok"]
     assert ev["distinct_hashes"] == 30 and ev["gpu_stored"] > 0
+    # A disk tier of about ten objects evicts; every eviction became a BlockRemoved, and a
+    # router fed vLLM's stream believes exactly the blocks the tier holds at the end.
+    router = results["events_evict"]["router"]
+    assert router["evicted"] > 0 and router["removed"] == router["evicted"]
+    assert router["equal"] and 0 < router["held"] == router["believed"] < 30
     # Hybrid: chunks and states, each tagged with its group and kind.
     mev = results["mamba"]["events"]
-    assert mev["groups"] == results["mamba"]["saved_pieces"]
+    # One BlockStored per object and tier: a chunk stored twice (the second put found it
+    # there) is told once.
+    assert mev["groups"] == results["mamba"]["saved_objects"]
     assert mev["kinds"] == ["full_attention", "mamba"] and mev["tier_hashes_on_gpu"]
 
 

@@ -80,7 +80,7 @@ def native_groups(layout: str) -> list[dict[str, Any]]:
 
 def write_config(workdir: str, *, disk: bool, remote_url: str | None,
                  faults: dict[str, Any] | None = None, layout: str = "full",
-                 events: bool = False) -> str:
+                 events: bool = False, disk_gb: float | None = None) -> str:
     del events  # the connector follows vLLM's kv_events_config
     lay: dict[str, Any] = {
         # The native manager hashes as this vLLM does: sha256, NONE_HASH from PYTHONHASHSEED
@@ -98,6 +98,8 @@ def write_config(workdir: str, *, disk: bool, remote_url: str | None,
                     "remote_url": remote_url, "lookup_timeout_ms": 500,
                     "load_timeout_ms": 3000, "store_timeout_ms": 5000},
     }
+    if disk_gb is not None:
+        cfg["offload"]["max_local_disk_size"] = disk_gb
     if faults:
         cfg["faults"] = faults
     path = os.path.join(workdir, "kvplugin.yaml")
@@ -303,6 +305,7 @@ class Runner:
         self.failed_total: set[str] = set()
         self.preempted: set[str] = set()
         self.saved_pieces: dict[int, int] = {}  # per group: chunks / states stored
+        self.saved_objects: set[tuple[int, str]] = set()  # (group, key): distinct objects
         self.computed: dict[str, int] = {}  # per request: tokens the forward computed
         self.states_checked = 0
         self.state_mismatches = 0
@@ -451,6 +454,7 @@ class Runner:
         for spec in meta.saves:
             for p in spec.pieces:
                 self.saved_pieces[p.group] = self.saved_pieces.get(p.group, 0) + 1
+                self.saved_objects.add((p.group, p.key.id))
         self.w.wait_for_save()
         res = self.w.get_transfer_results(set(so.finished_req_ids))
         invalid = self.w.get_block_ids_with_load_errors()

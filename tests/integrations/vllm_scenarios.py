@@ -82,6 +82,8 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
             "failed_loads": sorted(runner.failed_total), "preempted": sorted(runner.preempted),
             "saved_chunks": runner.saved_chunks,
             "saved_pieces": {str(g): n for g, n in sorted(runner.saved_pieces.items())},
+            "saved_objects": {str(g): sum(1 for og, _ in runner.saved_objects if og == g)
+                              for g in sorted(runner.saved_pieces)},
             "states_checked": runner.states_checked,
             "state_mismatches": runner.state_mismatches, "computed": dict(runner.computed),
             "worker_stats": dict(runner.worker_stats)}
@@ -133,6 +135,7 @@ SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
     "dead": ("full", "dead", "evict", False, 24),
     "multiturn": ("full", "disk", "multiturn", False, 12),
     "events": ("full", "disk", "evict", False, 24),
+    "events_evict": ("full", "disk", "evict", False, 24),  # a disk tier of ~10 objects
     "swa": ("swa", "disk", "evict", False, 24),
     "swa_corrupt": ("swa", "disk", "evict", False, 24),
     "mamba": ("mamba", "disk", "evict_mamba", False, 28),
@@ -363,8 +366,9 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
     faults = {"rate": 1.0, "kinds": ["error"]} if tier == "dead" else None
     config_file = write_config(scen_dir, disk=tier != "redis",
                                remote_url=redis_url if tier == "redis" else None,
-                               faults=faults, layout=layout)
-    events = name in ("events", "mamba")
+                               faults=faults, layout=layout,
+                               disk_gb=3e-5 if name == "events_evict" else None)
+    events = name in ("events", "mamba", "events_evict")
     scheduler, runner = engine(workdir, config_file, num_blocks, async_loads, layout,
                                events=events)
     capture = Capture()
@@ -381,6 +385,8 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
         runner.before_load = corrupt
     try:
         result = drive(scheduler, runner, workload_of(wl_name))
+        if name == "events_evict":
+            result["router"] = router_check(capture.batches, worker)
     finally:
         worker.shutdown()
         conn.shutdown()
@@ -389,6 +395,41 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
     if events:
         result["events"] = event_summary(capture.batches)
     return result
+
+
+def router_check(batches: list[Any], worker: Any) -> dict[str, Any]:
+    """A KV-aware router fed what vLLM published (and what the worker still holds back:
+    the last step's), against the blocks of the objects the tier holds now."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvplugin.aio.jobs import connector_tiers
+
+    events = [e for b in batches for e in b.events]
+    last = worker.get_kv_connector_kv_cache_events()
+    if last is not None:
+        events += last.get_all_events()
+    believed: dict[str, set[Any]] = {}
+    counts = {"stored": 0, "removed": 0}
+    for e in events:
+        if getattr(e, "medium", "GPU") == "GPU":
+            continue
+        blocks = believed.setdefault(e.medium, set())
+        if isinstance(e, BlockStored):
+            blocks.update(e.block_hashes)
+            counts["stored"] += 1
+        elif isinstance(e, BlockRemoved):
+            blocks.difference_update(e.block_hashes)
+            counts["removed"] += 1
+    view = worker._w.view
+    truth: dict[str, set[Any]] = {}
+    for tier in connector_tiers(worker._rt.connector):
+        held = tier.objects()
+        truth["DISK"] = {h for sid in held for h in view._info[sid].block_hashes}
+        evicted = tier.stats().evicted
+    return {"equal": {k: sorted(map(str, v)) for k, v in believed.items()}
+            == {k: sorted(map(str, v)) for k, v in truth.items()},
+            "believed": len(believed.get("DISK", ())), "held": len(truth.get("DISK", ())),
+            "evicted": evicted, **counts}
 
 
 def event_summary(batches: list[Any]) -> dict[str, Any]:
