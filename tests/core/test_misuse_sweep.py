@@ -91,20 +91,14 @@ def _already_cached_midway() -> Case:
                 AssertionError, "block 3 is already cached")
 
 
-def _partial_unaligned() -> Case:
-    c = Core(num_blocks=12)
-    r = uncached(c, "r", list(range(40)))
-    blk = c.manager.coordinator.get_blocks("r")[0][2]
-    return Case(c, [r], lambda: c.pool.cache_partial_block(r, blk, 8, 0, 16), AssertionError,
-                "hash-block boundaries")
-
-
-def _partial_no_hash() -> Case:
-    c = Core(num_blocks=12)
-    r = uncached(c, "r", list(range(40)))
-    blk = c.manager.coordinator.get_blocks("r")[0][2]
-    return Case(c, [r], lambda: c.pool.cache_partial_block(r, blk, 48, 0, 16), AssertionError,
-                "no block hash at token 48")
+def _partial(tokens: int, match: str) -> Callable[[], Case]:
+    def build() -> Case:
+        c = Core(num_blocks=12)
+        r = uncached(c, "r", list(range(40)))
+        blk = c.manager.coordinator.get_blocks("r")[0][2]
+        return Case(c, [r], lambda: c.pool.cache_partial_block(r, blk, tokens, 0, 16),
+                    AssertionError, match)
+    return build
 
 
 def _move_onto_cached() -> Case:
@@ -257,20 +251,14 @@ def _truncate_noncacheable() -> Case:
                 "non-cacheable")
 
 
-def _truncate_unaligned() -> Case:
-    c = Core(num_blocks=16)
-    a = running(c, "a", list(range(48)))
-    hits, _ = c.lookup(c.request("b", list(range(48))))
-    return Case(c, [a], lambda: c.manager.truncate_computed_blocks(hits, 20), ValueError,
-                "not a multiple")
-
-
-def _truncate_too_far() -> Case:
-    c = Core(num_blocks=16)
-    a = running(c, "a", list(range(48)))
-    hits, _ = c.lookup(c.request("b", list(range(48))))
-    return Case(c, [a], lambda: c.manager.truncate_computed_blocks(hits, 64), ValueError,
-                "cannot truncate 2 blocks to 4")
+def _truncate(tokens: int, match: str) -> Callable[[], Case]:
+    def build() -> Case:
+        c = Core(num_blocks=16)
+        a = running(c, "a", list(range(48)))
+        hits, _ = c.lookup(c.request("b", list(range(48))))  # two blocks
+        return Case(c, [a], lambda: c.manager.truncate_computed_blocks(hits, tokens),
+                    ValueError, match)
+    return build
 
 
 def _mixed_precision() -> Core:
@@ -378,8 +366,8 @@ def _cross_cache() -> Case:
 CASES: dict[str, Callable[[], Case]] = {
     "BlockPool.cache_full_blocks#1": _mask_length,
     "BlockPool.cache_full_blocks#2": _already_cached_midway,
-    "BlockPool.cache_partial_block#1": _partial_unaligned,
-    "BlockPool.cache_partial_block#2": _partial_no_hash,
+    "BlockPool.cache_partial_block#1": _partial(8, "hash-block boundaries"),
+    "BlockPool.cache_partial_block#2": _partial(48, "no block hash at token 48"),
     "BlockPool.move_block_hashes#1": _move_onto_cached,
     "BlockPool.get_new_blocks#1": _negative_blocks,
     "BlockPool.get_new_blocks#2": _too_many_blocks,
@@ -401,8 +389,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "KVCacheManager._check_can_adopt#1": _adopt_holding_blocks,
     "KVCacheManager.remove_skipped_blocks#1": _negative_processed,
     "KVCacheManager.truncate_computed_blocks#1": _truncate_noncacheable,
-    "KVCacheManager.truncate_computed_blocks#2": _truncate_unaligned,
-    "KVCacheManager.truncate_computed_blocks#3": _truncate_too_far,
+    "KVCacheManager.truncate_computed_blocks#2": _truncate(20, "not a multiple"),
+    "KVCacheManager.truncate_computed_blocks#3": _truncate(64, "cannot truncate 2 blocks to 4"),
     "KVCacheManager.record_blocks_for_zeroing#1": _zeroing_unaligned,
     "KVCacheManager.get_zeroing_block_ids_in_range#1": _zeroing_range,
     "_raise_bad_count#1": _count_type,
