@@ -422,6 +422,10 @@ def _connector_problems(spec: ConnectorSpec) -> list[tuple[Loc, str]]:
     return []
 
 
+# The presets of kvplugin.engine.costs (a test keeps the two lists equal).
+ModelCostName = Literal["llama-3.1-8b-h100"]
+
+
 class EngineConfig(_Strict):
     """The reference async engine (``kvplugin run``). The token budget and max_num_seqs
     default to the ``limits`` section's, which the core-only simulation also reads."""
@@ -435,6 +439,11 @@ class EngineConfig(_Strict):
     decode_step_ms: float = Field(default=1.0, ge=0,
                                   description="simulated model time of a step with decodes, ms")
     uvloop: bool = Field(default=True, description="use uvloop when it is installed")
+    model_cost: ModelCostName | None = Field(
+        default=None, description="simulated time of a named GPU deployment (a step of its "
+                                  "model, its KV bytes over the host link and each tier): "
+                                  "llama-3.1-8b-h100; unset: prefill_token_ms and "
+                                  "decode_step_ms, and loads cost nothing")
     kv_events_endpoint: str | None = Field(
         default=None, description="publish the KV events (device cache and tiers) on this "
                                   "ZMQ endpoint in vLLM's wire format, e.g. "

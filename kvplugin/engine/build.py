@@ -13,6 +13,7 @@ from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
 from kvplugin.engine.clock import RealClock, SimClock
+from kvplugin.engine.costs import ModelCost, model_cost
 from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
@@ -137,9 +138,10 @@ async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = No
         mgr = plugin.manager
         e = cfg.engine
         clock = SimClock() if e.deterministic else RealClock()
-        model = FakeModel(mgr.memory, StepCosts(e.prefill_token_ms / 1000,
-                                                e.decode_step_ms / 1000), cfg.workload.vocab,
-                          clock)
+        costs: StepCosts | ModelCost = (
+            model_cost(e.model_cost) if e.model_cost is not None
+            else StepCosts(e.prefill_token_ms / 1000, e.decode_step_ms / 1000))
+        model = FakeModel(mgr.memory, costs, cfg.workload.vocab, clock)
         engine = Engine(mgr, model, limits_of(cfg), clock)
         publisher = None
         if e.kv_events_endpoint is not None:

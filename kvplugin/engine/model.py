@@ -54,6 +54,7 @@ import numpy as np
 
 from kvplugin.aio.memory import HostKVMemory, PageShape, StateShape
 from kvplugin.engine.clock import Clock, RealClock
+from kvplugin.engine.costs import ModelCost, WorkShape
 
 __all__ = ["SEGMENT", "SLICE_BYTES", "CheckResult", "FakeModel", "KVIdentity", "StepCosts",
            "Work"]
@@ -197,6 +198,10 @@ class StepCosts:
     def of(self, prefill_tokens: int, decodes: int) -> float:
         return prefill_tokens * self.prefill_token_s + (self.decode_step_s if decodes else 0.0)
 
+    def step_s(self, work: Sequence[WorkShape]) -> float:
+        return self.of(sum(w.num_tokens for w in work if not w.decode),
+                       sum(w.decode for w in work))
+
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -245,7 +250,7 @@ class FakeModel:
     step's checks (``execute(then=...)``) overlap it instead of adding to it, as a GPU
     computes while the host waits."""
 
-    def __init__(self, memory: HostKVMemory, costs: StepCosts | None = None,
+    def __init__(self, memory: HostKVMemory, costs: StepCosts | ModelCost | None = None,
                  vocab: int = 32000, clock: Clock | None = None) -> None:
         self.memory = memory
         self.costs = costs or StepCosts()
@@ -311,8 +316,7 @@ class FakeModel:
         once the step's simulated time (counted from the start) is over: a token for each
         request whose last token was computed (None otherwise)."""
         t0 = self.clock.now()
-        cost = self.costs.of(sum(w.num_tokens for w in work if not w.decode),
-                             sum(w.decode for w in work))
+        cost = self.costs.step_s(work)
         sampled: list[int | None] = []
         for i, w in enumerate(work):
             if i:

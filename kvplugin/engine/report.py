@@ -177,6 +177,8 @@ class RunReport:
             ("TTFT", f"p50 {x.get('ttft_p50_ms', 0)} ms, p99 {x.get('ttft_p99_ms', 0)} ms"
                      + (" (simulated time: the same for the same seed)"
                         if x.get("clock") == "simulated" else " (real time)")),
+            ("model time", x.get("model_cost_deployment") or
+             "the config's prefill_token_ms / decode_step_ms (loads cost nothing)"),
             ("step latency", f"p50 {x.get('step_ms_p50', 0)} ms, p99 "
                              f"{x.get('step_ms_p99', 0)} ms"),
             ("loop lag", f"p99 {self.loop_lag_p99_ms:.2f} ms ({x.get('loop', '?')})"),

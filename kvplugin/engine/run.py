@@ -21,6 +21,7 @@ from connectors.tiered import TieredConnector
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.config import KVPluginConfig
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
+from kvplugin.engine.costs import model_cost
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
 from kvplugin.engine.report import RunReport, Sample, TenantRow
@@ -114,6 +115,11 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     out.extra["workload_prompt_tokens"] = served.prompt_tokens
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     out.extra["clock"] = "simulated" if cfg.engine.deterministic else "real"
+    cost = cfg.engine.model_cost
+    out.extra["model_cost"] = cost
+    if cost is not None:  # what the simulated times stand for
+        out.extra["model_cost_deployment"] = model_cost(cost).description
+        out.extra["link_transfer_s"] = round(dep.engine.stats.transfer_s, 6)
     return out
 
 

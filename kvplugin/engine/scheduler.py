@@ -48,6 +48,7 @@ from kvplugin.aio.values import Admission, LoadOutcome, LoadStatus, Lookup
 from kvplugin.core.events import MEDIUM_GPU, KVCacheEvent
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
 from kvplugin.engine.clock import Clock, SimClock, let_clients_run
+from kvplugin.engine.costs import ModelCost
 from kvplugin.engine.model import FakeModel, Work
 from kvplugin.engine.quantiles import Quantiles
 
@@ -112,6 +113,7 @@ class EngineStats:
     tier_events: int = 0  # of those, the tiers' (medium other than GPU)
     restored_states: int = 0  # Mamba states a request resumed from after a load
     restored_partial_states: int = 0  # of those, at a boundary inside a Mamba block
+    transfer_s: float = 0.0  # with a model cost: simulated time the host link spent on loads
     # Wall time of every step that ran (schedule, model, bookkeeping), for latency figures
     # (bounded: exact percentiles up to a few thousand steps, then 1 % buckets).
     step_s: Quantiles = field(default_factory=Quantiles)
@@ -129,6 +131,7 @@ class EngineRequest:
     holds_blocks: bool = False
     refreshes: int = 0  # lookups redone because the device hit shrank since
     first_token: float | None = None
+    ready_at: float = 0.0  # with a model cost: when its loaded KV has crossed the link
 
     @property
     def rid(self) -> str:
@@ -149,6 +152,12 @@ class Engine:
         self.waiting: deque[EngineRequest] = deque()
         self.kv_holding: deque[EngineRequest] = deque()  # loaded, holding blocks: go first
         self.loading: dict[str, EngineRequest] = {}
+        # With a model cost, loaded requests wait here until their KV has crossed the host
+        # link (the model's bytes over the link and the tier: costs.ModelCost.load_s).
+        self.transferring: list[EngineRequest] = []
+        self._load_cost = model.costs if isinstance(model.costs, ModelCost) else None
+        self._link_free = 0.0  # when the host link is done with the loads booked so far
+        self._timers: set[asyncio.Task[None]] = set()
         self.stats = EngineStats()
         # Subscribers of the KV-cache event stream (a publisher, a router's test probe).
         self.event_sinks: list[Callable[[list[KVCacheEvent]], None]] = []
@@ -259,7 +268,8 @@ class Engine:
 
     # ------------------------------------------------------------------ serving
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.kv_holding or self.loading)
+        return bool(self.running or self.waiting or self.kv_holding or self.loading
+                    or self.transferring)
 
     def stop(self) -> None:
         """``run`` returns once every request queued so far has finished."""
@@ -418,6 +428,7 @@ class Engine:
                 break  # no room: admissions end here this step (FCFS)
             queue.popleft()
             if adm.loading:
+                self._book_transfer(er, adm.external_by_tier)
                 self._park(er)
                 continue
             er.req.status = RequestStatus.RUNNING
@@ -480,6 +491,21 @@ class Engine:
                                         end)
 
     # ------------------------------------------------------------------ loads
+    def _book_transfer(self, er: EngineRequest, tokens_by_tier: dict[str, int]) -> None:
+        """The deployment's time for this load: the link takes loads one after another."""
+        if self._load_cost is None:
+            return
+        took = self._load_cost.load_s(tokens_by_tier)
+        start = max(self.clock.now(), self._link_free)
+        self._link_free = er.ready_at = start + took
+        self.stats.transfer_s += took
+
+    async def _transferred(self, er: EngineRequest) -> None:
+        await self.clock.sleep_until(er.ready_at)
+        self.transferring.remove(er)
+        self.kv_holding.append(er)
+        self._wake.set()
+
     def _park(self, er: EngineRequest) -> None:
         """``WAITING_FOR_REMOTE_KVS`` until the load ends; a watcher resumes it."""
         self.stats.parked += 1
@@ -504,6 +530,13 @@ class Engine:
             # The device hit is checked with what was loaded, where the request resumes: a
             # window group keeps only the blocks the resume point's window needs.
             self._check(er, 0, outcome.num_computed_tokens)
+            if er.ready_at > self.clock.now():  # its bytes are still on the link
+                self.transferring.append(er)
+                task = asyncio.get_running_loop().create_task(self._transferred(er),
+                                                              name=f"kv-link-{er.rid}")
+                self._timers.add(task)
+                task.add_done_callback(self._timers.discard)
+                return
             self.kv_holding.append(er)
             return
         er.holds_blocks = False  # nothing kept: the manager freed its blocks
@@ -520,7 +553,7 @@ class Engine:
     def _unstick(self) -> bool:
         """Loaded requests hold blocks while they wait; when nothing runs and nothing will
         come back, the newest of them gives its blocks back so the oldest can grow."""
-        if (self.running or len(self.kv_holding) < 2 or self.loading
+        if (self.running or len(self.kv_holding) < 2 or self.loading or self.transferring
                 or self.mgr.has_pending_work() or self.mgr.num_held_blocks):
             return False
         er = self.kv_holding.pop()
@@ -571,10 +604,12 @@ class Engine:
     async def aclose(self) -> None:
         """Stop the background tasks (lookups, load watchers). Requests still queued keep
         their state; the manager's ``aclose`` releases what its jobs hold."""
-        tasks = [*self._watchers, *(er.lookup_task for er in self._all() if er.lookup_task)]
+        tasks = [*self._watchers, *self._timers,
+                 *(er.lookup_task for er in self._all() if er.lookup_task)]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _all(self) -> list[EngineRequest]:
-        return [*self.running, *self.waiting, *self.kv_holding, *self.loading.values()]
+        return [*self.running, *self.waiting, *self.kv_holding, *self.loading.values(),
+                *self.transferring]
