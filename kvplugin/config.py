@@ -319,6 +319,13 @@ class OffloadConfigSection(_Strict):
                                    description="bytes of stores in flight, MB; more is shed")
     store_prompt_only: bool = Field(default=False,
                                     description="store prompt tokens only, not answers")
+    cost_aware_loads: bool = Field(
+        default=True, description="claim a tier's hit only where loading it is faster than "
+                                  "recomputing it (needs a recompute time: engine.model_cost "
+                                  "or recompute_tokens_per_s; without one every hit is loaded)")
+    recompute_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="the engine's prefill rate for cost_aware_loads "
+                                        "(engine.model_cost, when set, gives its own)")
     tier_events: bool = Field(default=True,
                               description="KV events (stored / removed) from every tier, "
                                           "beside the device cache's")
@@ -422,7 +429,7 @@ def _connector_problems(spec: ConnectorSpec) -> list[tuple[Loc, str]]:
     return []
 
 
-# The presets of kvplugin.engine.costs (a test keeps the two lists equal).
+# The presets of kvplugin.costs (a test keeps the two lists equal).
 ModelCostName = Literal["llama-3.1-8b-h100"]
 
 

@@ -102,6 +102,9 @@ METRICS: tuple[MetricDoc, ...] = (
          "Tokens claimed from a tier that did not verify and were computed again."),
     _doc("kvplugin_loaded_bytes_total", "counter", "tier",
          "KV bytes loaded into the device, by the tier the lookup found them at."),
+    _doc("kvplugin_loads_skipped_slower_than_recompute_total", "counter", "tier",
+         "Claims cut because loading their rest would be slower than recomputing it (by "
+         "the slowest tier of the part not loaded; kvplugin.aio.loadcost)."),
     _doc("kvplugin_stores_total", "counter", "",
          "Store jobs started."),
     _doc("kvplugin_stored_chunks_total", "counter", "",
@@ -362,6 +365,10 @@ def _counters(s: Snapshot) -> Iterator[Metric]:
     for tier, n in s.stats.loaded_bytes_by_tier.items():
         _add(loaded, (s.tier_labels.get(tier, tier),), n)
     yield _counter("kvplugin_loaded_bytes_total", loaded)
+    skipped: dict[tuple[str, ...], float] = {(label,): 0 for label in s.level_labels}
+    for tier, n in s.stats.loads_skipped_slower_than_recompute.items():
+        _add(skipped, (s.tier_labels.get(tier, tier),), n)
+    yield _counter("kvplugin_loads_skipped_slower_than_recompute_total", skipped)
 
 
 _TIER_FIELDS = {

@@ -22,13 +22,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from connectors.base import Connector
 from connectors.disk import DiskConnector
 from connectors.faults import FaultInjector, FaultPlan
 from connectors.memory import MemoryConnector
 from connectors.tiered import TieredConnector
+from kvplugin.aio.jobs import tier_names
+from kvplugin.aio.loadcost import LoadCosts, rate
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import LoadFailurePolicy, OffloadConfig, StoreMode
 from kvplugin.config import (
@@ -41,6 +43,7 @@ from kvplugin.config import (
     unresolved_remote_url,
 )
 from kvplugin.config import load_config as _load_config
+from kvplugin.costs import model_cost
 from kvplugin.engine.layouts import build_core
 from kvplugin.registry import RegistryError, create
 
@@ -140,6 +143,24 @@ def _both(inner: TierWrapper | None, outer: TierWrapper | None) -> TierWrapper |
     return lambda tier: outer(inner(tier))
 
 
+def load_costs_for(cfg: KVPluginConfig, tiers: Sequence[str]) -> LoadCosts | None:
+    """Load or recompute by cost (``offload.cost_aware_loads``): the deployment's model
+    (``engine.model_cost``: its recompute time, its tiers' bandwidth and latency), else a
+    declared prefill rate (tiers' latency measured); None without a recompute time."""
+    off = cfg.offload
+    if not off.cost_aware_loads or not tiers:
+        return None
+    if cfg.engine.model_cost is not None:
+        mc = model_cost(cfg.engine.model_cost)
+        return LoadCosts.seeded(
+            tiers, mc.recompute_s, tier_s_per_token={t: mc.tier_s_per_token(t) for t in tiers},
+            tier_latency_s={t: link.latency_s for t, link in mc.tiers.items()})
+    if off.recompute_tokens_per_s is not None:
+        return LoadCosts.seeded(tiers, rate(off.recompute_tokens_per_s), tier_s_per_token={},
+                                tier_latency_s={})
+    return None
+
+
 def offload_config(cfg: KVPluginConfig) -> OffloadConfig:
     off = cfg.offload
     return OffloadConfig(
@@ -219,8 +240,10 @@ class Plugin:
         self._connector = _combine(build_tiers(cfg.offload, disk_root, wrap))
         try:
             policy = cfg.tenants.policy(tier_quotas=cfg.offload.enabled)
+            costs = (None if self._connector is None
+                     else load_costs_for(cfg, tier_names(self._connector)))
             self._manager = AsyncKVManager(core, self._connector, offload_config(cfg),
-                                           hash_context=ctx, tenants=policy)
+                                           hash_context=ctx, tenants=policy, load_costs=costs)
         except ValueError as e:
             # The manager refuses what the config alone cannot show: a layout offload does
             # not serve, a quota on a tier an extra connector does not have.

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from connectors.keys import ObjectKey
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, run_load
 from kvplugin.aio.jobs import start as start_job
+from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.plans import Claim
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import JobSide
@@ -33,6 +35,10 @@ __all__ = ["Loads"]
 
 class Loads(JobSide):
     """Load jobs of one manager; a request's job is ``ReqState.load``."""
+
+    def __init__(self, *, costs: LoadCosts | None = None, **wiring: Any) -> None:
+        super().__init__(**wiring)
+        self._costs = costs  # told how long each completed load took
 
     def start(self, st: ReqState, claim: Claim, lookup: Lookup) -> None:
         started = time.perf_counter()
@@ -178,7 +184,10 @@ class Loads(JobSide):
     def _end(self, job: LoadJob) -> None:
         """Always runs last: a load that ended without a result (cancelled, or a bug) puts
         the request back to the start; an abandoned one lets its blocks go."""
-        self._latency.load[job.tier].observe(time.perf_counter() - job.started)
+        took = time.perf_counter() - job.started
+        self._latency.load[job.tier].observe(took)
+        if self._costs is not None and job.ended is JobEnd.DONE:
+            self._costs.observed(job.tier, job.end - job.start, took)
         self._jobs.discard(job)
         st: ReqState = job.owner
         if st.load is job:

@@ -48,6 +48,7 @@ Latency: tier lookups, load jobs and store jobs are timed into histograms
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -66,6 +67,7 @@ from kvplugin.aio.jobs import (
 )
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.ledger import TokenLedger
+from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.loads import Loads
 from kvplugin.aio.memory import GroupShape, HostKVMemory, shape_of_group
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
@@ -141,7 +143,8 @@ class AsyncKVManager:
                  config: OffloadConfig, *,
                  memory: HostKVMemory | None = None,
                  hash_context: HashContext | None = None,
-                 tenants: TenantPolicy | None = None) -> None:
+                 tenants: TenantPolicy | None = None,
+                 load_costs: LoadCosts | None = None) -> None:
         if not core.enable_caching:
             raise ValueError("offload needs prefix caching enabled in the core")
         kv_config = core.kv_cache_config
@@ -185,6 +188,8 @@ class AsyncKVManager:
         self._loads: Loads | None = None
         self._stores: Stores | None = None
         self.tier_events: TierEventView | None = None
+        # Load or recompute by cost (None: every claim is loaded); the loads report back.
+        self.load_costs = load_costs if connector is not None else None
         if connector is not None:
             if config.tier_events:
                 self.tier_events = TierEventView()
@@ -193,7 +198,7 @@ class AsyncKVManager:
                 core=core, connector=connector, tiers=self.tiers, config=config,
                 memory=memory, layout=self.layout, keyspace=self.keyspace, gate=self._gate,
                 stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency)
-            self._loads = Loads(**wiring)
+            self._loads = Loads(**wiring, costs=self.load_costs)
             self._stores = Stores(**wiring, events=self.tier_events)
         self._closed = False
 
@@ -361,6 +366,22 @@ class AsyncKVManager:
         self._run_copies()
         return Admission(blocks, n)
 
+    def _cost_cut(self, claim: Claim, lookup: Lookup) -> Claim:
+        """The claim cut where loading stops paying (kvplugin.aio.loadcost); the rest is
+        computed. Layouts with states keep their claims (a state ends where it ends)."""
+        assert self.load_costs is not None
+        units = plans.claim_units(self.layout, self.tiers, lookup.first, lookup.levels,
+                                  claim.local, claim.local + claim.external)
+        keep, slow = self.load_costs.choose(units)
+        if slow is None:
+            return claim
+        external = sum(n for _, _, n in units[:keep])
+        s = self._stats
+        s.loads_skipped_slower_than_recompute[slow] = (
+            s.loads_skipped_slower_than_recompute.get(slow, 0) + 1)
+        s.skipped_load_tokens += claim.external - external
+        return dataclasses.replace(claim, external=external)
+
     def _split(self, req: Request, start: int, n: int) -> int:
         if not self.layout.state_groups:
             return n
@@ -390,6 +411,9 @@ class AsyncKVManager:
             tier = TierHit(lookup.first, lookup.present, frozenset(b for b, _ in lookup.states))
             claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req),
                                     local.hit, tier)
+        if self.load_costs is not None and claim.external and claim.state_at is None:
+            assert lookup is not None
+            claim = self._cost_cut(claim, lookup)
         loads = claim.loads
         n = 0 if loads else self._split(req, claim.local,
                                         step.tokens(req.num_tokens - claim.local))

@@ -352,6 +352,21 @@ def tokens_by_level(layout: Layout, first: Sequence[int], levels: Sequence[Seque
     return out
 
 
+def claim_units(layout: Layout, tiers: Sequence[str], first: Sequence[int],
+                levels: Sequence[Sequence[int]], start: int, end: int
+                ) -> list[tuple[str, int, int]]:
+    """``[start, end)`` in units a claim may end on (``layout.alignment`` tokens): each
+    one's tier (the slowest any attention group reads it from), first token and length."""
+    out = []
+    unit = layout.alignment
+    for lo in range(start, end, unit):
+        level = 0
+        for g in layout.chunked_groups:
+            level = max(level, levels[g][lo // layout.chunk_tokens(g) - first[g]])
+        out.append((tiers[level], lo, min(unit, end - lo)))
+    return out
+
+
 def tokens_by_tier(layout: Layout, tiers: Sequence[str], first: Sequence[int],
                    levels: Sequence[Sequence[int]], start: int, end: int,
                    state_level: int | None = None) -> dict[str, int]:

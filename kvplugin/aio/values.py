@@ -165,6 +165,10 @@ class OffloadStats:
     loaded_bytes: int = 0
     loaded_bytes_by_tier: dict[str, int] = field(default_factory=dict)  # where it was found
     recomputed_tokens: int = 0  # claimed, not verified: computed again
+    # Claims cut by cost (kvplugin.aio.loadcost): by the slowest tier of the part not
+    # loaded, and the tokens computed instead of loaded.
+    loads_skipped_slower_than_recompute: dict[str, int] = field(default_factory=dict)
+    skipped_load_tokens: int = 0
     stores: int = 0  # store jobs started (after_step returns objects: stored_chunks)
     stored_chunks: int = 0
     stored_bytes: int = 0
@@ -189,6 +193,7 @@ class OffloadStats:
         out = OffloadStats(**{f.name: getattr(self, f.name) for f in fields(self)})
         out.hit_tokens_by_tier = dict(self.hit_tokens_by_tier)
         out.loaded_bytes_by_tier = dict(self.loaded_bytes_by_tier)
+        out.loads_skipped_slower_than_recompute = dict(self.loads_skipped_slower_than_recompute)
         return out
 
 

@@ -12,8 +12,8 @@ from connectors.base import Connector
 from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
+from kvplugin.costs import ModelCost, model_cost
 from kvplugin.engine.clock import RealClock, SimClock
-from kvplugin.engine.costs import ModelCost, model_cost
 from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits

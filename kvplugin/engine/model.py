@@ -53,8 +53,8 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from kvplugin.aio.memory import HostKVMemory, PageShape, StateShape
+from kvplugin.costs import ModelCost, WorkShape
 from kvplugin.engine.clock import Clock, RealClock
-from kvplugin.engine.costs import ModelCost, WorkShape
 
 __all__ = ["SEGMENT", "SLICE_BYTES", "CheckResult", "FakeModel", "KVIdentity", "StepCosts",
            "Work"]

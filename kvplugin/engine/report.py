@@ -165,7 +165,9 @@ class RunReport:
                              f"ended"),
             ("loads", f"{self.loads} ({self.load_failures} failed, "
                       f"{x.get('loaded_chunks', 0)} objects, "
-                      f"{x.get('recomputed_tokens', 0)} claimed tokens recomputed)"),
+                      f"{x.get('recomputed_tokens', 0)} claimed tokens recomputed, "
+                      f"{x.get('skipped_load_tokens', 0)} hit tokens computed: loading "
+                      "them was slower)"),
             ("stores", f"{self.stores} objects ({self.stores_shed} shed, "
                        f"{x.get('stores_failed', 0)} failed)"),
             ("tier errors", ", ".join(f"{t} {n}" for t, n in x.get("tier_errors", {}).items())

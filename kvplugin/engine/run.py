@@ -20,8 +20,8 @@ from connectors.faults import FaultInjector
 from connectors.tiered import TieredConnector
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.config import KVPluginConfig
+from kvplugin.costs import model_cost
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
-from kvplugin.engine.costs import model_cost
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
 from kvplugin.engine.report import RunReport, Sample, TenantRow
@@ -220,6 +220,8 @@ def report(dep: Deployment, served: Served, wall: float,
         lookup_refreshes=es.lookup_refreshes, queried_tokens=ms.queried_tokens,
         lookups=ms.lookups, lookup_timeouts=ms.lookup_timeouts, loaded_chunks=ms.loaded_chunks,
         recomputed_tokens=ms.recomputed_tokens, store_jobs=ms.stores,
+        loads_skipped_slower_than_recompute=dict(ms.loads_skipped_slower_than_recompute),
+        skipped_load_tokens=ms.skipped_load_tokens,
         stores_failed=ms.stores_failed, stores_deduplicated=ms.stores_deduplicated,
         bytes_stored=stored, bytes_loaded=loaded,
         pages_checked=model.pages_checked, states_checked=model.states_checked,

@@ -47,8 +47,8 @@ from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission, LoadOutcome, LoadStatus, Lookup
 from kvplugin.core.events import MEDIUM_GPU, KVCacheEvent
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
+from kvplugin.costs import ModelCost
 from kvplugin.engine.clock import Clock, SimClock, let_clients_run
-from kvplugin.engine.costs import ModelCost
 from kvplugin.engine.model import FakeModel, Work
 from kvplugin.engine.quantiles import Quantiles
 

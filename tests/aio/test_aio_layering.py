@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.aio.plans",
        "kvplugin.aio.memory", "kvplugin.aio.keys", "kvplugin.aio.values",
        "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
-       "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events"]
+       "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
+       "kvplugin.aio.loadcost"]
 
 
 def _loaded_after(*modules: str) -> set[str]:

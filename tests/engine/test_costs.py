@@ -10,8 +10,8 @@ import pytest
 from engine_testlib import serve_all, small_config
 
 from kvplugin.config import ModelCostName
+from kvplugin.costs import PRESETS, ModelCost, TierLink, model_cost
 from kvplugin.engine.build import deployment
-from kvplugin.engine.costs import PRESETS, ModelCost, TierLink, model_cost
 from kvplugin.engine.model import Work
 
 COST = ModelCost(name="t", description="a test deployment", source="made up",
@@ -70,7 +70,8 @@ async def test_a_loaded_request_waits_for_its_bytes_on_the_link(
     slow = dataclasses.replace(model_cost("llama-3.1-8b-h100"), host_link_bytes_per_s=1e6)
     monkeypatch.setitem(PRESETS, "llama-3.1-8b-h100", slow)
     cfg = small_config(blocks=20, engine={"deterministic": True,
-                                          "model_cost": "llama-3.1-8b-h100"})
+                                          "model_cost": "llama-3.1-8b-h100"},
+                       offload={"cost_aware_loads": False})  # loaded however slow
     prompt = list(range(1, 65))
     async with deployment(cfg) as dep:
         first = await serve_all(dep.engine, [("a", prompt, "t0", 2)])
@@ -88,4 +89,27 @@ async def test_a_loaded_request_waits_for_its_bytes_on_the_link(
         ttft = again["b"].ttft_s
         assert ttft is not None and took <= ttft < took + 0.1
         assert first["a"].ttft_s is not None and first["a"].ttft_s < 0.1
+        assert first["a"].output == again["b"].output
+
+
+@pytest.mark.asyncio
+async def test_a_load_slower_than_recomputing_is_not_claimed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same slow link with cost-aware loads (the default): the hit is computed instead.
+    slow = dataclasses.replace(model_cost("llama-3.1-8b-h100"), host_link_bytes_per_s=1e6)
+    monkeypatch.setitem(PRESETS, "llama-3.1-8b-h100", slow)
+    cfg = small_config(blocks=20, engine={"deterministic": True,
+                                          "model_cost": "llama-3.1-8b-h100"})
+    prompt = list(range(1, 65))
+    async with deployment(cfg) as dep:
+        first = await serve_all(dep.engine, [("a", prompt, "t0", 2)])
+        await serve_all(dep.engine, [(f"f{i}", [200 + 64 * i + j for j in range(64)], "t0", 2)
+                                     for i in range(3)])
+        again = await serve_all(dep.engine, [("b", prompt, "t0", 2)])
+        s = dep.mgr.stats()
+        assert s.loads_skipped_slower_than_recompute == {"memory": 1}
+        assert s.skipped_load_tokens > 0 and dep.engine.stats.transfer_s == 0
+        ttft = again["b"].ttft_s
+        assert ttft is not None and ttft < 0.1  # computed in milliseconds, not loaded
         assert first["a"].output == again["b"].output

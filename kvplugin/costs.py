@@ -100,6 +100,19 @@ class ModelCost:
             total += latency + tokens * self.kv_bytes_per_token / bw
         return total
 
+    def recompute_s(self, start: int, num_tokens: int) -> float:
+        """The compute a load of tokens ``[start, start + num_tokens)`` saves: their linear
+        layers and their attention (the weight pass is the step's, shared with the batch)."""
+        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+        return num_tokens / self.tokens_per_s + pairs / self.attention_pairs_per_s
+
+    def tier_s_per_token(self, tier: str) -> float:
+        """Seconds per token of a load's bytes from ``tier`` (link and tier bandwidth)."""
+        link = self.tiers.get(tier)
+        bw = self.host_link_bytes_per_s if link is None else min(
+            self.host_link_bytes_per_s, link.bytes_per_s)
+        return self.kv_bytes_per_token / bw
+
     def prefill_s(self, num_tokens: int, start: int = 0, chunk: int = 2048) -> float:
         """Computing ``num_tokens`` from ``start`` alone, in chunks of ``chunk`` (what a
         load of those tokens saves)."""

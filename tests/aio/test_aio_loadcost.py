@@ -1,0 +1,74 @@
+"""Load or recompute by cost: the prefix that saves the most time, a tier that slows down
+skipped, and tried again later."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplugin.aio.loadcost import LoadCosts, rate
+
+MS = 1e-3
+
+
+def costs(**kw: float) -> LoadCosts:
+    # Recompute: 1 ms per token. Memory: 0.1 ms per token; redis: 0.5 ms + 2 ms per token.
+    return LoadCosts.seeded(["memory", "redis"], rate(1000.0),
+                            tier_s_per_token={"memory": 0.1 * MS, "redis": 2 * MS},
+                            tier_latency_s={"redis": 0.5 * MS}, **kw)
+
+
+def units(*tiers: str, size: int = 16) -> list[tuple[str, int, int]]:
+    return [(t, i * size, size) for i, t in enumerate(tiers)]
+
+
+def test_a_fast_tier_is_loaded_a_slow_one_computed() -> None:
+    c = costs()
+    assert c.choose(units("memory", "memory", "memory")) == (3, None)
+    assert c.choose(units("redis", "redis")) == (0, "redis")
+    # Memory's part first, then Redis's: the claim ends where Redis's would begin.
+    assert c.choose(units("memory", "memory", "redis", "redis")) == (2, "redis")
+
+
+def test_a_latency_is_paid_once_per_tier_and_can_tip_a_short_claim() -> None:
+    c = LoadCosts.seeded(["disk"], rate(1000.0), tier_s_per_token={"disk": 0.5 * MS},
+                         tier_latency_s={"disk": 10 * MS})
+    # 16 tokens save 16 ms - 8 ms - 10 ms < 0; 64 tokens save 64 - 32 - 10 > 0.
+    assert c.choose(units("disk")) == (0, "disk")
+    assert c.choose(units("disk", "disk", "disk", "disk")) == (4, None)
+
+
+def test_recompute_grows_with_context() -> None:
+    # A model whose recompute is dearer deep in the context: a far chunk is worth loading.
+    c = LoadCosts.seeded(["redis"], lambda start, n: n * (start + n) * 1e-6,
+                         tier_s_per_token={"redis": 0.5 * MS}, tier_latency_s={})
+    assert c.choose([("redis", 0, 16)]) == (0, "redis")
+    assert c.choose([("redis", 4096, 16)]) == (1, None)
+
+
+def test_a_tier_that_slowed_down_is_skipped_then_probed_and_used_again() -> None:
+    c = costs(probe_every=4)
+    fast = units("memory", "memory")
+    assert c.choose(fast) == (2, None)
+    c.observed("memory", 32, 32 * 0.1 * MS + 100 * MS)  # a load took 100 ms extra
+    assert c.speeds["memory"].latency_s == pytest.approx(100 * MS)
+    assert [c.choose(fast) for _ in range(3)] == [(0, "memory")] * 3
+    assert c.choose(fast) == (2, None) and c.probes == 1  # the fourth: a probe
+    c.observed("memory", 32, 32 * 0.1 * MS)  # the probe was fast again
+    c.observed("memory", 32, 32 * 0.1 * MS)
+    c.observed("memory", 32, 32 * 0.1 * MS)
+    c.observed("memory", 32, 32 * 0.1 * MS)  # EWMA, alpha 0.2: 100 ms * 0.8**4 = 41 ms
+    assert c.speeds["memory"].latency_s == pytest.approx(100 * MS * 0.8 ** 4)
+    for _ in range(12):
+        c.observed("memory", 32, 32 * 0.1 * MS)
+    assert c.choose(fast) == (2, None)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        rate(0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        LoadCosts.seeded(["memory"], rate(1.0), tier_s_per_token={}, tier_latency_s={},
+                         alpha=0.0)
+    with pytest.raises(ValueError, match="negative"):
+        LoadCosts.seeded(["memory"], rate(1.0), tier_s_per_token={"memory": -1.0},
+                         tier_latency_s={})
