@@ -152,9 +152,11 @@ def load_costs_for(cfg: KVPluginConfig, tiers: Sequence[str]) -> LoadCosts | Non
         return None
     if cfg.engine.model_cost is not None:
         mc = model_cost(cfg.engine.model_cost)
+        # A simulated run decides from the deployment's figures alone (same seed, same run).
         return LoadCosts.seeded(
             tiers, mc.recompute_s, tier_s_per_token={t: mc.tier_s_per_token(t) for t in tiers},
-            tier_latency_s={t: link.latency_s for t, link in mc.tiers.items()})
+            tier_latency_s={t: link.latency_s for t, link in mc.tiers.items()},
+            measure=not cfg.engine.deterministic)
     if off.recompute_tokens_per_s is not None:
         return LoadCosts.seeded(tiers, rate(off.recompute_tokens_per_s), tier_s_per_token={},
                                 tier_latency_s={})

@@ -59,13 +59,16 @@ class LoadCosts:
     speeds: dict[str, TierSpeed]
     alpha: float = 0.2
     probe_every: int = 32
+    # False: decide from the seeds alone (a simulated run: real timings must not change
+    # its decisions, or one seed would give different runs).
+    measure: bool = True
     probes: int = 0  # claims let through to re-measure a tier that was skipped
     _since_probe: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def seeded(cls, tiers: Sequence[str], recompute_s: Recompute, *,
                tier_s_per_token: Mapping[str, float], tier_latency_s: Mapping[str, float],
-               alpha: float = 0.2, probe_every: int = 32) -> LoadCosts:
+               alpha: float = 0.2, probe_every: int = 32, measure: bool = True) -> LoadCosts:
         """Tiers' seeds: seconds per token of their bytes (absent: 0, only the measured
         latency counts) and latency per load (absent: 0 until measured)."""
         if not 0 < alpha <= 1 or probe_every < 1:
@@ -76,7 +79,7 @@ class LoadCosts:
             if per < 0 or lat < 0:
                 raise ValueError(f"tier {t}: negative seconds")
             speeds[t] = TierSpeed(lat, per)
-        return cls(recompute_s, speeds, alpha, probe_every)
+        return cls(recompute_s, speeds, alpha, probe_every, measure)
 
     def choose(self, chunks: Sequence[tuple[str, int, int]]) -> tuple[int, str | None]:
         """How many of the claim's units to load, in order (``chunks``: each one's tier,
@@ -94,13 +97,13 @@ class LoadCosts:
         if best_at == len(chunks):
             return best_at, None
         slow = max((t for t, _, _ in chunks[best_at:]), key=lambda t: self.speeds[t].predict(1))
-        if self._probe(slow):
+        if self.measure and self._probe(slow):
             return len(chunks), None
         return best_at, slow
 
     def observed(self, tier: str, tokens: int, seconds: float) -> None:
         """A load of ``tokens`` whose slowest tier was ``tier`` took ``seconds``."""
-        if tokens > 0 and tier in self.speeds:
+        if self.measure and tokens > 0 and tier in self.speeds:
             self.speeds[tier].observe(tokens, seconds, self.alpha)
 
     def _probe(self, tier: str) -> bool:

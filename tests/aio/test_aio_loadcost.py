@@ -72,3 +72,10 @@ def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="negative"):
         LoadCosts.seeded(["memory"], rate(1.0), tier_s_per_token={"memory": -1.0},
                          tier_latency_s={})
+
+
+def test_a_simulated_run_decides_from_its_seeds_alone() -> None:
+    c = costs(measure=False, probe_every=1)
+    c.observed("memory", 32, 10.0)  # real time says nothing in simulated time
+    assert c.speeds["memory"].latency_s == 0.0 and c.speeds["memory"].loads == 0
+    assert c.choose(units("redis")) == (0, "redis") and c.probes == 0  # no probe either

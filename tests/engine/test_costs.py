@@ -113,3 +113,16 @@ async def test_a_load_slower_than_recomputing_is_not_claimed(
         ttft = again["b"].ttft_s
         assert ttft is not None and ttft < 0.1  # computed in milliseconds, not loaded
         assert first["a"].output == again["b"].output
+
+
+@pytest.mark.asyncio
+async def test_with_a_model_cost_one_seed_is_still_one_run() -> None:
+    from kvplugin.engine.report import decided
+    from kvplugin.engine.run import serve
+
+    cfg = small_config(blocks=40, disk=True, engine={"deterministic": True,
+                                                     "model_cost": "llama-3.1-8b-h100"},
+                       workload={"num_requests": 60})
+    first, second = (await serve(cfg)).as_dict(), (await serve(cfg)).as_dict()
+    assert first["model_cost"] == "llama-3.1-8b-h100" and first["link_transfer_s"] > 0
+    assert decided(first) == decided(second)
