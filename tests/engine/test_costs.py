@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from typing import Any
 
 import pytest
 from engine_testlib import serve_all, small_config
@@ -13,6 +14,7 @@ from kvplugin.config import ModelCostName
 from kvplugin.costs import PRESETS, ModelCost, TierLink, model_cost
 from kvplugin.engine.build import deployment
 from kvplugin.engine.model import Work
+from kvplugin.engine.scheduler import Result
 
 COST = ModelCost(name="t", description="a test deployment", source="made up",
                  kv_bytes_per_token=1000, weights_read_s=0.005, tokens_per_s=1000.0,
@@ -61,35 +63,47 @@ def test_the_h100_preset_matches_its_published_shape() -> None:
         model_cost("gpt-5-tpu")
 
 
+SLOW_LINK = 1e6  # bytes/s: a load takes seconds, a step milliseconds
+
+
+def slow_link(monkeypatch: pytest.MonkeyPatch) -> ModelCost:
+    slow = dataclasses.replace(model_cost("llama-3.1-8b-h100"), host_link_bytes_per_s=SLOW_LINK)
+    monkeypatch.setitem(PRESETS, "llama-3.1-8b-h100", slow)
+    return slow
+
+
+async def asked_again(cfg: Any) -> tuple[Result, Result, Any, Any]:
+    """Prompt ``a``, three others that take the device pool (a's blocks then live in the
+    memory tier only), then ``a``'s prompt again as ``b``: (a, b, engine stats, manager
+    stats)."""
+    prompt = list(range(1, 65))
+    async with deployment(cfg) as dep:
+        first = await serve_all(dep.engine, [("a", prompt, "t0", 2)])
+        await serve_all(dep.engine, [(f"f{i}", [200 + 64 * i + j for j in range(64)], "t0", 2)
+                                     for i in range(3)])
+        again = await serve_all(dep.engine, [("b", prompt, "t0", 2)])
+        return first["a"], again["b"], dep.engine.stats, dep.mgr.stats()
+
+
 @pytest.mark.asyncio
 async def test_a_loaded_request_waits_for_its_bytes_on_the_link(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The preset with a 1 MB/s host link: a load takes seconds, a step milliseconds, so the
-    # wait shows in the first token's time (simulated: the test takes no longer).
-    slow = dataclasses.replace(model_cost("llama-3.1-8b-h100"), host_link_bytes_per_s=1e6)
-    monkeypatch.setitem(PRESETS, "llama-3.1-8b-h100", slow)
+    # The wait shows in the first token's (simulated) time; the test takes no longer.
+    slow = slow_link(monkeypatch)
     cfg = small_config(blocks=20, engine={"deterministic": True,
                                           "model_cost": "llama-3.1-8b-h100"},
                        offload={"cost_aware_loads": False})  # loaded however slow
-    prompt = list(range(1, 65))
-    async with deployment(cfg) as dep:
-        first = await serve_all(dep.engine, [("a", prompt, "t0", 2)])
-        # Other prompts take the device pool; a's blocks live on in the memory tier only.
-        await serve_all(dep.engine, [(f"f{i}", [200 + 64 * i + j for j in range(64)], "t0", 2)
-                                     for i in range(3)])
-        again = await serve_all(dep.engine, [("b", prompt, "t0", 2)])
-        stats = dep.engine.stats
-        loaded = stats.tier_hit_tokens.get("memory", 0)
-        assert loaded > 0, "the test needs the second request to load from the tier"
-        took = slow.load_s({"memory": loaded})
-        assert took > 1.0 and stats.transfer_s == pytest.approx(took)
-        # Its first token comes no earlier than its KV has crossed the link, and not much
-        # later (a few steps' milliseconds).
-        ttft = again["b"].ttft_s
-        assert ttft is not None and took <= ttft < took + 0.1
-        assert first["a"].ttft_s is not None and first["a"].ttft_s < 0.1
-        assert first["a"].output == again["b"].output
+    a, b, stats, _ = await asked_again(cfg)
+    loaded = stats.tier_hit_tokens.get("memory", 0)
+    assert loaded > 0, "the test needs the second request to load from the tier"
+    took = slow.load_s({"memory": loaded})
+    assert took > 1.0 and stats.transfer_s == pytest.approx(took)
+    # Its first token comes no earlier than its KV has crossed the link, and not much
+    # later (a few steps' milliseconds).
+    assert b.ttft_s is not None and took <= b.ttft_s < took + 0.1
+    assert a.ttft_s is not None and a.ttft_s < 0.1
+    assert a.output == b.output
 
 
 @pytest.mark.asyncio
@@ -97,23 +111,14 @@ async def test_a_load_slower_than_recomputing_is_not_claimed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The same slow link with cost-aware loads (the default): the hit is computed instead.
-    slow = dataclasses.replace(model_cost("llama-3.1-8b-h100"), host_link_bytes_per_s=1e6)
-    monkeypatch.setitem(PRESETS, "llama-3.1-8b-h100", slow)
+    slow_link(monkeypatch)
     cfg = small_config(blocks=20, engine={"deterministic": True,
                                           "model_cost": "llama-3.1-8b-h100"})
-    prompt = list(range(1, 65))
-    async with deployment(cfg) as dep:
-        first = await serve_all(dep.engine, [("a", prompt, "t0", 2)])
-        await serve_all(dep.engine, [(f"f{i}", [200 + 64 * i + j for j in range(64)], "t0", 2)
-                                     for i in range(3)])
-        again = await serve_all(dep.engine, [("b", prompt, "t0", 2)])
-        s = dep.mgr.stats()
-        assert s.loads_skipped_slower_than_recompute == {"memory": 1}
-        assert s.skipped_load_tokens > 0 and dep.engine.stats.transfer_s == 0
-        ttft = again["b"].ttft_s
-        assert ttft is not None and ttft < 0.1  # computed in milliseconds, not loaded
-        assert first["a"].output == again["b"].output
-
+    a, b, stats, s = await asked_again(cfg)
+    assert s.loads_skipped_slower_than_recompute == {"memory": 1}
+    assert s.skipped_load_tokens > 0 and stats.transfer_s == 0
+    assert b.ttft_s is not None and b.ttft_s < 0.1  # computed in milliseconds, not loaded
+    assert a.output == b.output
 
 @pytest.mark.asyncio
 async def test_with_a_model_cost_one_seed_is_still_one_run() -> None:
