@@ -80,8 +80,8 @@ class ModelCost:
         for w in work:
             if w.decode:
                 context += w.start + w.num_tokens  # the KV it attends to, its own included
-            else:  # token i of the chunk attends to start + i + 1 keys
-                pairs += w.num_tokens * w.start + w.num_tokens * (w.num_tokens + 1) // 2
+            else:
+                pairs += _causal_pairs(w.start, w.num_tokens)
         return (max(self.weights_read_s, tokens / self.tokens_per_s)
                 + pairs / self.attention_pairs_per_s + context * self.kv_read_s_per_token)
 
@@ -103,8 +103,8 @@ class ModelCost:
     def recompute_s(self, start: int, num_tokens: int) -> float:
         """The compute a load of tokens ``[start, start + num_tokens)`` saves: their linear
         layers and their attention (the weight pass is the step's, shared with the batch)."""
-        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
-        return num_tokens / self.tokens_per_s + pairs / self.attention_pairs_per_s
+        return (num_tokens / self.tokens_per_s
+                + _causal_pairs(start, num_tokens) / self.attention_pairs_per_s)
 
     def tier_s_per_token(self, tier: str) -> float:
         """Seconds per token of a load's bytes from ``tier`` (link and tier bandwidth)."""
@@ -124,6 +124,11 @@ class ModelCost:
             out += self.step_s([_Chunk(pos, n)])
             pos += n
         return out
+
+
+def _causal_pairs(start: int, num_tokens: int) -> int:
+    """Query x key pairs of tokens ``[start, start + n)``: token i attends to i + 1 keys."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -644,7 +644,7 @@ class AsyncKVManager:
         """KV-cache events since the last call: the device cache's (the core's, medium GPU)
         then, with ``tier_events`` on, the tiers' (medium CPU / DISK / REDIS: blocks
         stored, removed; see :mod:`kvplugin.aio.tier_events` for what a router can and
-        cannot learn). One stream for a subscriber (``kvplugin.aio.publisher``)."""
+        cannot learn). One stream for a subscriber (``kvplugin.publisher`` sends it on ZMQ)."""
         events = self.core.take_events()
         if self.tier_events is not None and self.connector is not None:
             events += self.tier_events.apply(self.connector.take_events())

@@ -150,9 +150,11 @@ class TierEventView:
 
     def _stored(self, sid: str, tier: str) -> None:
         info = self._info.get(sid)
-        told = self._told.setdefault(sid, set()) if info is not None else None
-        if info is None or told is None or tier in told:
-            return  # not ours (stored elsewhere, or recovered at start), or already told
+        if info is None:
+            return  # not ours: stored elsewhere, or recovered at start
+        told = self._told.setdefault(sid, set())
+        if tier in told:
+            return
         told.add(tier)
         self._emit(BlockStored(
             list(info.block_hashes), info.parent, list(info.token_ids), info.block_size,

@@ -4,6 +4,7 @@ model was asked to compute, and a connector whose reads wait at a gate the test 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,17 @@ def small_config(*, blocks: int = 64, block_size: int = 4, budget: int = 64, seq
 
 
 Req = tuple[str, Sequence[int], str, int]  # id, prompt, tenant, max_tokens
+
+
+def conversations(n: int, seed: int) -> list[Req]:
+    """``n`` requests of tenant t0: one shared 16-token system prompt, then 8-39 tokens each."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 500) for _ in range(16)]
+    out: list[Req] = []
+    for i in range(n):
+        user = [rng.randrange(1, 500) for _ in range(rng.randrange(8, 40))]
+        out.append((f"r{i}", system + user, "t0", 4))
+    return out
 
 
 async def serve_all(engine: Engine, reqs: Sequence[Req]) -> dict[str, Result]:

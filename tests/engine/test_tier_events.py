@@ -9,11 +9,10 @@ objects each tier holds.
 
 from __future__ import annotations
 
-import random
 from collections import defaultdict
 
 import pytest
-from engine_testlib import serve_all, small_config
+from engine_testlib import conversations, serve_all, small_config
 
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.aio.tier_events import tier_medium
@@ -40,16 +39,6 @@ class Router:
             else:
                 assert isinstance(e, AllBlocksCleared)
                 self.blocks.clear()
-
-
-def conversations(n: int, seed: int) -> list[tuple[str, list[int], str, int]]:
-    rng = random.Random(seed)
-    system = [rng.randrange(1, 500) for _ in range(16)]
-    out = []
-    for i in range(n):
-        user = [rng.randrange(1, 500) for _ in range(rng.randrange(8, 40))]
-        out.append((f"r{i}", system + user, "t0", 4))
-    return out
 
 
 async def test_a_router_believes_exactly_what_the_tiers_hold() -> None:

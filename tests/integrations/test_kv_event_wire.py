@@ -4,13 +4,18 @@ both tiers evict, and believes exactly the blocks each tier holds at the end."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from side_venv import side_python
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))  # the engine tests' helpers
+from engine_testlib import conversations, serve_all, small_config
 
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.aio.tier_events import tier_medium
@@ -27,12 +32,6 @@ def _free_port() -> int:
 
 
 async def test_a_vllm_subscriber_reads_the_native_stream() -> None:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-    from engine_testlib import serve_all, small_config
-    from test_tier_events import conversations
-
     py = side_python("KVPLUGIN_VLLM_PYTHON", "kvplugin-vllm-reference",
                      "tools/setup_vllm_side_venv.sh")
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
@@ -43,8 +42,6 @@ async def test_a_vllm_subscriber_reads_the_native_stream() -> None:
                                stderr=subprocess.PIPE, text=True)
         try:
             assert sub.stdout is not None and sub.stdout.readline().strip() == "ready"
-            import asyncio
-
             await asyncio.sleep(1.0)  # ZMQ's slow joiner: the subscription reaches us
             reqs = conversations(40, seed=1)
             await serve_all(dep.engine, reqs)
