@@ -66,14 +66,18 @@ class FaultPlan:
     latency: float = 0.0  # seconds; each delayed call sleeps uniformly in [0, latency]
     drop_write_rate: float = 0.0
     corrupt_write_rate: float = 0.0
+    # Seconds every get waits before it reads (a throttled tier, slow to hand bytes back):
+    # a fixed delay, not a roll, so a load-or-recompute decision has a steady speed to learn.
+    get_delay: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "latency" and not 0.0 <= value <= 1.0:
+            if f.name not in ("latency", "get_delay") and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{f.name} must be a probability in [0, 1], got {value!r}")
-        if not self.latency >= 0:
-            raise ValueError(f"latency must be >= 0, got {self.latency!r}")
+        for name in ("latency", "get_delay"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     @property
     def benign(self) -> bool:
@@ -86,6 +90,7 @@ class FaultCounters:
     delays: int = 0
     dropped: int = 0
     corrupted: int = 0
+    throttled: int = 0  # gets delayed by get_delay
 
 
 class FaultInjector(Guarded, Connector):
@@ -175,6 +180,9 @@ class FaultInjector(Guarded, Connector):
     def _after_faults(self, deadline: Deadline, op: str, keys: Sequence[ObjectKey]) -> Awaitable[T]:
         async def run() -> T:
             if keys:  # an empty batch does no I/O, so nothing can fail
+                if op == "get" and self.plan.get_delay > 0:
+                    self.injected.throttled += 1
+                    await asyncio.sleep(self.plan.get_delay)
                 await self._faults()
             method = getattr(self.inner, op)
             result: T = await method(keys, timeout=max(deadline.remaining(), 1e-3))

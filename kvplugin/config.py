@@ -431,6 +431,14 @@ def _connector_problems(spec: ConnectorSpec) -> list[tuple[Loc, str]]:
 
 # The presets of kvplugin.costs (a test keeps the two lists equal).
 ModelCostName = Literal["llama-3.1-8b-h100"]
+LinkTier = Literal["disk", "redis"]  # the tiers whose figures a model cost holds
+
+
+class TierLinkConfig(_Strict):
+    """A tier's figures in the deployment, over the model cost preset's."""
+
+    gb_per_s: float = Field(gt=0, description="bandwidth to the host, GB/s (1e9 bytes)")
+    latency_ms: float = Field(default=0.0, ge=0, description="per load, ms")
 
 
 class EngineConfig(_Strict):
@@ -451,6 +459,11 @@ class EngineConfig(_Strict):
                                   "model, its KV bytes over the host link and each tier): "
                                   "llama-3.1-8b-h100; unset: prefill_token_ms and "
                                   "decode_step_ms, and loads cost nothing")
+    tier_links: dict[LinkTier, TierLinkConfig] = Field(
+        default_factory=dict, description="a tier's bandwidth and latency in the deployment "
+                                          "(disk, redis), over model_cost's figures, e.g. "
+                                          "redis: {gb_per_s: 10, latency_ms: 0.2} for "
+                                          "100 GbE; needs model_cost")
     kv_events_endpoint: str | None = Field(
         default=None, description="publish the KV events (device cache and tiers) on this "
                                   "ZMQ endpoint in vLLM's wire format, e.g. "
@@ -462,6 +475,12 @@ class EngineConfig(_Strict):
                                   "when it completes and the figures vary with timing)")
     lag_probe_ms: float = Field(default=5.0, gt=0, description="period of the event-loop "
                                                                "lag probe, ms")
+
+    @model_validator(mode="after")
+    def _links_need_a_cost(self) -> EngineConfig:
+        if self.tier_links and self.model_cost is None:
+            raise ValueError("tier_links are figures of a model cost: set engine.model_cost")
+        return self
 
 
 FaultKind = Literal["error", "latency", "drop", "corrupt"]

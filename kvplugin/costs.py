@@ -22,7 +22,7 @@ its own: stores, device to host, do not delay loads).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 __all__ = ["PRESETS", "ModelCost", "TierLink", "WorkShape", "model_cost"]
@@ -152,7 +152,7 @@ LLAMA_31_8B_H100 = ModelCost(
     description="Llama-3.1-8B, bf16, on one H100 80GB SXM (PCIe Gen5 host link)",
     source="H100 SXM datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3), Llama-3.1-8B "
            "config (32 layers, 8 KV heads x 128), PCIe Gen5 x16 ~20 GB/s each way; see "
-           "kvplugin/engine/costs.py",
+           "kvplugin/costs.py",
     kv_bytes_per_token=32 * 8 * 128 * 2 * 2,
     weights_read_s=16.06e9 / 3.35e12,
     tokens_per_s=30_000.0,
@@ -165,8 +165,12 @@ LLAMA_31_8B_H100 = ModelCost(
 PRESETS: dict[str, ModelCost] = {LLAMA_31_8B_H100.name: LLAMA_31_8B_H100}
 
 
-def model_cost(name: str) -> ModelCost:
+def model_cost(name: str, links: Mapping[str, TierLink] | None = None) -> ModelCost:
+    """The preset ``name``, its tiers' figures replaced by ``links`` where given."""
     try:
-        return PRESETS[name]
+        cost = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model cost {name!r}; known: {sorted(PRESETS)}") from None
+    if not links:
+        return cost
+    return replace(cost, tiers={**cost.tiers, **links})

@@ -43,7 +43,7 @@ from kvplugin.config import (
     unresolved_remote_url,
 )
 from kvplugin.config import load_config as _load_config
-from kvplugin.costs import model_cost
+from kvplugin.costs import ModelCost, TierLink, model_cost
 from kvplugin.engine.layouts import build_core
 from kvplugin.registry import RegistryError, create
 
@@ -143,6 +143,17 @@ def _both(inner: TierWrapper | None, outer: TierWrapper | None) -> TierWrapper |
     return lambda tier: outer(inner(tier))
 
 
+def deployment_cost(cfg: KVPluginConfig) -> ModelCost | None:
+    """``engine.model_cost`` with ``engine.tier_links`` over its tiers' figures; None when
+    no model cost is set."""
+    e = cfg.engine
+    if e.model_cost is None:
+        return None
+    links: dict[str, TierLink] = {t: TierLink(link.gb_per_s * 1e9, link.latency_ms / 1000)
+             for t, link in e.tier_links.items()}
+    return model_cost(e.model_cost, links)
+
+
 def load_costs_for(cfg: KVPluginConfig, tiers: Sequence[str]) -> LoadCosts | None:
     """Load or recompute by cost (``offload.cost_aware_loads``): the deployment's model
     (``engine.model_cost``: its recompute time, its tiers' bandwidth and latency), else a
@@ -150,8 +161,8 @@ def load_costs_for(cfg: KVPluginConfig, tiers: Sequence[str]) -> LoadCosts | Non
     off = cfg.offload
     if not off.cost_aware_loads or not tiers:
         return None
-    if cfg.engine.model_cost is not None:
-        mc = model_cost(cfg.engine.model_cost)
+    mc = deployment_cost(cfg)
+    if mc is not None:
         # A simulated run decides from the deployment's figures alone (same seed, same run).
         return LoadCosts.seeded(
             tiers, mc.recompute_s, tier_s_per_token={t: mc.tier_s_per_token(t) for t in tiers},

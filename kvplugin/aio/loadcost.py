@@ -11,8 +11,9 @@ model), it cuts a claim at the prefix end that saves the most time: unit by unit
 claim, each tier's first unit paying its latency.
 
 A tier no longer used is no longer measured, so a tier that was slow once would stay
-skipped forever: after ``probe_every`` skipped claims one is let through (a probe) and its
-load refreshes the estimate. Synchronous and pure: the manager asks, the load jobs report.
+skipped forever: after ``probe_every`` skipped claims one of the skipped objects is read
+aside (a probe: no request waits for it) and its time refreshes the estimate.
+Synchronous and pure: the manager asks, the load jobs and probes report.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LoadCosts", "Recompute", "TierSpeed", "rate"]
+__all__ = ["Choice", "LoadCosts", "Recompute", "TierSpeed", "rate"]
 
 
 @dataclass(slots=True)
@@ -41,6 +42,17 @@ class TierSpeed:
         extra = max(0.0, seconds - tokens * self.s_per_token)
         self.latency_s = extra if self.loads == 0 else (1 - alpha) * self.latency_s + alpha * extra
         self.loads += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Load the claim's first ``keep`` units. ``slow``: the slowest tier of the part left
+    out (None: nothing is); ``probe``: that tier, when it has been skipped so long that one
+    of its objects is to be read aside (off the request's path) to measure it again."""
+
+    keep: int
+    slow: str | None
+    probe: str | None
 
 
 Recompute = Callable[[int, int], float]  # (first token, tokens) -> seconds to compute them
@@ -81,10 +93,11 @@ class LoadCosts:
             speeds[t] = TierSpeed(lat, per)
         return cls(recompute_s, speeds, alpha, probe_every, measure)
 
-    def choose(self, chunks: Sequence[tuple[str, int, int]]) -> tuple[int, str | None]:
+    def plan(self, chunks: Sequence[tuple[str, int, int]]) -> Choice:
         """How many of the claim's units to load, in order (``chunks``: each one's tier,
         first token and tokens): the prefix that saves the most time (0 when none saves
-        any), and the slowest tier of the part left out (None: the whole claim is loaded)."""
+        any). Pure: a claim may be planned again (its admission found no room) and only
+        the admitted one counts (:meth:`settle`)."""
         best, best_at, saved = 0.0, 0, 0.0
         used: set[str] = set()
         for i, (tier, start, tokens) in enumerate(chunks):
@@ -95,22 +108,26 @@ class LoadCosts:
             if saved > best:
                 best, best_at = saved, i + 1
         if best_at == len(chunks):
-            return best_at, None
+            return Choice(best_at, None, None)
         slow = max((t for t, _, _ in chunks[best_at:]), key=lambda t: self.speeds[t].predict(1))
-        if self.measure and self._probe(slow):
-            return len(chunks), None
-        return best_at, slow
+        probe = self.measure and self._since_probe.get(slow, 0) + 1 >= self.probe_every
+        return Choice(best_at, slow, slow if probe else None)
+
+    def settle(self, choice: Choice) -> None:
+        """``choice`` was admitted: a skip counts toward its tier's next probe."""
+        if choice.probe is not None:
+            self._since_probe[choice.probe] = 0
+            self.probes += 1
+        elif choice.slow is not None and self.measure:
+            self._since_probe[choice.slow] = self._since_probe.get(choice.slow, 0) + 1
+
+    def choose(self, chunks: Sequence[tuple[str, int, int]]) -> tuple[int, str | None]:
+        """:meth:`plan` then :meth:`settle`: (units to load, the slowest tier left out)."""
+        choice = self.plan(chunks)
+        self.settle(choice)
+        return choice.keep, choice.slow
 
     def observed(self, tier: str, tokens: int, seconds: float) -> None:
         """A load of ``tokens`` whose slowest tier was ``tier`` took ``seconds``."""
         if self.measure and tokens > 0 and tier in self.speeds:
             self.speeds[tier].observe(tokens, seconds, self.alpha)
-
-    def _probe(self, tier: str) -> bool:
-        n = self._since_probe.get(tier, 0) + 1
-        if n >= self.probe_every:
-            self._since_probe[tier] = 0
-            self.probes += 1
-            return True
-        self._since_probe[tier] = n
-        return False

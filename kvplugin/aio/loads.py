@@ -9,13 +9,14 @@ core sized the window blocks and the state slot for the claimed boundary only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from connectors.keys import ObjectKey
 from kvplugin.aio import plans
-from kvplugin.aio.jobs import JobEnd, LoadJob, run_load
+from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_load
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.plans import Claim
@@ -32,6 +33,8 @@ from kvplugin.serde import Block
 
 __all__ = ["Loads"]
 
+logger = logging.getLogger(__name__)
+
 
 class Loads(JobSide):
     """Load jobs of one manager; a request's job is ``ReqState.load``."""
@@ -39,6 +42,7 @@ class Loads(JobSide):
     def __init__(self, *, costs: LoadCosts | None = None, **wiring: Any) -> None:
         super().__init__(**wiring)
         self._costs = costs  # told how long each completed load took
+        self._probes: set[asyncio.Task[None]] = set()  # reads aside (see probe)
 
     def start(self, st: ReqState, claim: Claim, lookup: Lookup) -> None:
         started = time.perf_counter()
@@ -68,6 +72,53 @@ class Loads(JobSide):
                         self._apply, self._end)
         start_job(job, coro, f"kv-load-{req.request_id}", self._end)
         self._jobs.add(job)
+
+    def probe(self, st: ReqState, lookup: Lookup, start: int, end: int, tier: str) -> None:
+        """Read one of ``tier``'s objects among tokens ``[start, end)`` of ``st``'s claim
+        aside, and time it: a tier skipped for being slower than recomputing is measured
+        again without a request waiting on it (the request computes those tokens). The
+        object read is dropped; a read that fails or times out teaches nothing."""
+        if self._costs is None or tier not in self._tiers:
+            return
+        level = self._tiers.index(tier)
+        plan = plans.load_plan(self._layout, start, end)
+        levels = _levels(lookup, plan, (), None)
+        pick = next((c for c, lv in zip(plan, levels, strict=True) if lv == level), None)
+        if pick is None:
+            return
+        key = st.chunk_keys(self._keyspace, pick.group, pick.chunk, pick.chunk + 1)[0]
+        tokens = pick.num_blocks * self._layout.block_sizes[pick.group]
+        conn = connector_tiers(self._connector)[level]
+        self._stats.load_probes += 1
+        task = asyncio.get_running_loop().create_task(self._read_aside(conn, key, tier,
+                                                                       tokens),
+                                                      name=f"kv-probe-{tier}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _read_aside(self, conn: Any, key: ObjectKey, tier: str, tokens: int) -> None:
+        assert self._costs is not None
+        timeout = self._config.load_timeout
+        try:
+            async with asyncio.timeout(timeout), self._gate.slot(Priority.LOAD):
+                started = time.perf_counter()
+                blocks = await conn.get([key], timeout=timeout)
+                took = time.perf_counter() - started
+        except TimeoutError:
+            return
+        except Exception:  # a closed connector, or a bug: nobody awaits this task
+            logger.exception("probe read of tier %s raised", tier)
+            return
+        if blocks and blocks[0] is not None:
+            self._costs.observed(tier, tokens, took)
+
+    async def wait_probes(self, *, cancel: bool = False) -> None:
+        """Wait for the reads aside (cancelled first with ``cancel``)."""
+        while self._probes:
+            if cancel:
+                for t in self._probes:
+                    t.cancel()
+            await asyncio.wait(list(self._probes))
 
     async def _apply(self, job: LoadJob, blocks: list[Block | None]) -> None:
         """The load's bytes arrived: copy in what is usable, publish it, un-park the

@@ -67,7 +67,7 @@ from kvplugin.aio.jobs import (
 )
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.ledger import TokenLedger
-from kvplugin.aio.loadcost import LoadCosts
+from kvplugin.aio.loadcost import Choice, LoadCosts
 from kvplugin.aio.loads import Loads
 from kvplugin.aio.memory import GroupShape, HostKVMemory, shape_of_group
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
@@ -366,21 +366,32 @@ class AsyncKVManager:
         self._run_copies()
         return Admission(blocks, n)
 
-    def _cost_cut(self, claim: Claim, lookup: Lookup) -> Claim:
+    def _cost_cut(self, claim: Claim, lookup: Lookup) -> tuple[Claim, Choice]:
         """The claim cut where loading stops paying (kvplugin.aio.loadcost); the rest is
         computed. Layouts with states keep their claims (a state ends where it ends)."""
         assert self.load_costs is not None
         units = plans.claim_units(self.layout, self.tiers, lookup.first, lookup.levels,
                                   claim.local, claim.local + claim.external)
-        keep, slow = self.load_costs.choose(units)
-        if slow is None:
-            return claim
-        external = sum(n for _, _, n in units[:keep])
-        s = self._stats
-        s.loads_skipped_slower_than_recompute[slow] = (
-            s.loads_skipped_slower_than_recompute.get(slow, 0) + 1)
-        s.skipped_load_tokens += claim.external - external
-        return dataclasses.replace(claim, external=external)
+        choice = self.load_costs.plan(units)
+        if choice.slow is None:
+            return claim, choice
+        external = sum(n for _, _, n in units[:choice.keep])
+        return dataclasses.replace(claim, external=external), choice
+
+    def _cost_settled(self, st: ReqState, lookup: Lookup, claim: Claim, uncut: int,
+                      choice: Choice) -> None:
+        """The admitted claim's choice: counted once, however often admission was tried;
+        a probe reads one of the skipped objects aside."""
+        assert self.load_costs is not None and self._loads is not None
+        self.load_costs.settle(choice)
+        if choice.probe is not None:
+            end = claim.local + claim.external
+            self._loads.probe(st, lookup, end, end + uncut - claim.external, choice.probe)
+        if choice.slow is not None:
+            s = self._stats
+            s.loads_skipped_slower_than_recompute[choice.slow] = (
+                s.loads_skipped_slower_than_recompute.get(choice.slow, 0) + 1)
+            s.skipped_load_tokens += uncut - claim.external
 
     def _split(self, req: Request, start: int, n: int) -> int:
         if not self.layout.state_groups:
@@ -411,9 +422,10 @@ class AsyncKVManager:
             tier = TierHit(lookup.first, lookup.present, frozenset(b for b, _ in lookup.states))
             claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req),
                                     local.hit, tier)
+        choice, uncut = None, claim.external
         if self.load_costs is not None and claim.external and claim.state_at is None:
             assert lookup is not None
-            claim = self._cost_cut(claim, lookup)
+            claim, choice = self._cost_cut(claim, lookup)
         loads = claim.loads
         n = 0 if loads else self._split(req, claim.local,
                                         step.tokens(req.num_tokens - claim.local))
@@ -429,6 +441,9 @@ class AsyncKVManager:
             self.tenants.refused(st, reserved, step.reserved)
             return None
         self._run_copies()
+        if choice is not None:
+            assert lookup is not None
+            self._cost_settled(st, lookup, claim, uncut, choice)
         st.admitted = True
         st.outcome = None
         total = claim.local + claim.external
@@ -651,10 +666,13 @@ class AsyncKVManager:
         return events
 
     async def drain(self) -> None:
-        """Wait until every job started so far (and any they lead to) has ended.
-        Cancelling the wait (e.g. a ``wait_for`` timing out) leaves the jobs running."""
+        """Wait until every job started so far (and any they lead to) has ended, and the
+        load-cost probes' reads. Cancelling the wait (e.g. a ``wait_for`` timing out)
+        leaves the jobs running."""
         while self._jobs:
             await self._wait_jobs()
+        if self._loads is not None:
+            await self._loads.wait_probes()
 
     async def aclose(self) -> None:
         """Cancel and await every job (their releases run), then close the connector.
@@ -668,6 +686,8 @@ class AsyncKVManager:
                     if job.task is not None:
                         job.task.cancel()
                 await self._wait_jobs()
+            if self._loads is not None:
+                await self._loads.wait_probes(cancel=True)
         finally:
             if self.config.close_connector and self.connector is not None:
                 await self.connector.aclose()

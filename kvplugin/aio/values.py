@@ -169,6 +169,7 @@ class OffloadStats:
     # loaded, and the tokens computed instead of loaded.
     loads_skipped_slower_than_recompute: dict[str, int] = field(default_factory=dict)
     skipped_load_tokens: int = 0
+    load_probes: int = 0  # objects of a skipped tier read aside to measure it again
     stores: int = 0  # store jobs started (after_step returns objects: stored_chunks)
     stored_chunks: int = 0
     stored_bytes: int = 0

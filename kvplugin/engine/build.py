@@ -12,7 +12,7 @@ from connectors.base import Connector
 from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
-from kvplugin.costs import ModelCost, model_cost
+from kvplugin.costs import ModelCost
 from kvplugin.engine.clock import RealClock, SimClock
 from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
@@ -21,6 +21,7 @@ from kvplugin.plugin import (
     TierWrapper,
     build_connector,
     build_tiers,
+    deployment_cost,
     fault_plan,
     fault_wrapper,
     load_plugin,
@@ -139,8 +140,8 @@ async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = No
         e = cfg.engine
         clock = SimClock() if e.deterministic else RealClock()
         costs: StepCosts | ModelCost = (
-            model_cost(e.model_cost) if e.model_cost is not None
-            else StepCosts(e.prefill_token_ms / 1000, e.decode_step_ms / 1000))
+            deployment_cost(cfg) or StepCosts(e.prefill_token_ms / 1000,
+                                              e.decode_step_ms / 1000))
         model = FakeModel(mgr.memory, costs, cfg.workload.vocab, clock)
         engine = Engine(mgr, model, limits_of(cfg), clock)
         publisher = None

@@ -20,7 +20,6 @@ from connectors.faults import FaultInjector
 from connectors.tiered import TieredConnector
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.config import KVPluginConfig
-from kvplugin.costs import model_cost
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
@@ -28,6 +27,7 @@ from kvplugin.engine.report import RunReport, Sample, TenantRow
 from kvplugin.engine.scheduler import Result
 from kvplugin.engine.served import Served, drive
 from kvplugin.engine.workload import RequestSpec, stream
+from kvplugin.plugin import deployment_cost
 
 if TYPE_CHECKING:
     from kvplugin.metrics import MetricsServer
@@ -74,10 +74,14 @@ async def check_tiers(dep: Deployment, *, required: bool) -> list[str]:
 
 async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
                 specs: Sequence[RequestSpec] | None = None, progress: Progress | None = None,
-                metrics_port: int | None = None, metrics_linger_s: float = 0.0) -> RunReport:
+                metrics_port: int | None = None, metrics_linger_s: float = 0.0,
+                stop_at_s: float | None = None,
+                on_result: Callable[[Result, float], None] | None = None) -> RunReport:
     """Build the deployment, serve the workload (``specs``, or the config's), close, report.
     ``progress`` gets the requests finished every 100 ms; with ``metrics_port`` the
-    deployment is scraped there (0: a free port) until ``metrics_linger_s`` after the end."""
+    deployment is scraped there (0: a free port) until ``metrics_linger_s`` after the end.
+    ``stop_at_s``: no request is sent after that (see :func:`drive`); ``on_result`` sees
+    every result with the time it came, in the engine clock's seconds from the start."""
     t0 = time.perf_counter()
     probe = LagProbe(cfg.engine.lag_probe_ms / 1000)
     probe.start()
@@ -93,7 +97,7 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
                     logger.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
                 feed = workload_stream(dep, cfg) if specs is None else specs
                 total = len(specs) if specs is not None else cfg.workload.num_requests
-                served = await _served(dep, feed, progress, total)
+                served = await _served(dep, feed, progress, total, stop_at_s, on_result)
                 await dep.mgr.drain()
                 dep.engine.flush_events()  # the last stores' events reach the subscribers
             wall = time.perf_counter() - t0
@@ -115,10 +119,14 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     out.extra["workload_prompt_tokens"] = served.prompt_tokens
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     out.extra["clock"] = "simulated" if cfg.engine.deterministic else "real"
-    cost = cfg.engine.model_cost
-    out.extra["model_cost"] = cost
+    cost = deployment_cost(cfg)
+    out.extra["model_cost"] = cfg.engine.model_cost
     if cost is not None:  # what the simulated times stand for
-        out.extra["model_cost_deployment"] = model_cost(cost).description
+        out.extra["model_cost_deployment"] = cost.description
+        if cfg.engine.tier_links:
+            out.extra["model_cost_tier_links"] = {
+                t: {"gb_per_s": link.gb_per_s, "latency_ms": link.latency_ms}
+                for t, link in cfg.engine.tier_links.items()}
         out.extra["link_transfer_s"] = round(dep.engine.stats.transfer_s, 6)
     return out
 
@@ -136,7 +144,8 @@ def workload_stream(dep: Deployment, cfg: KVPluginConfig) -> Iterator[RequestSpe
 
 
 async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progress | None,
-                  total: int) -> Served:
+                  total: int, stop_at_s: float | None = None,
+                  on_result: Callable[[Result, float], None] | None = None) -> Served:
     """:func:`drive`, keeping what the report needs (:class:`Served`: no per-request
     result), recording the time series and feeding the progress bar (from a task of its
     own: the engine's step never waits for the terminal)."""
@@ -148,9 +157,12 @@ async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progr
     def finished(res: Result) -> None:
         served.finished(res)
         books = ledger.totals()  # the manager booked the request when the engine finished it
-        served.timeline.add(Sample(clock.now() - start, res.tenant, res.ttft_s,
-                                   books.prompt_tokens, books.computed_tokens,
+        t = clock.now() - start
+        served.timeline.add(Sample(t, res.tenant, res.ttft_s, books.prompt_tokens,
+                                   books.computed_tokens,
                                    hit_sources(ledger_sources(books, labels))))
+        if on_result is not None:
+            on_result(res, t)
 
     def now() -> tuple[int, str]:
         books = ledger.totals()
@@ -164,7 +176,7 @@ async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progr
                                                         name="progress")
     try:
         await drive(dep.engine, specs, on_finish=finished, on_feed=served.fed,
-                    keep_results=False)
+                    keep_results=False, stop_at_s=stop_at_s)
     finally:
         if ticker is not None:
             ticker.cancel()
@@ -216,12 +228,13 @@ def report(dep: Deployment, served: Served, wall: float,
         discarded_tokens=books.discarded_tokens, prefill_work_tokens=es.computed_prompt_tokens,
         tier_errors=tier_errors(dep),
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
+        peak_running_tokens=es.peak_running_tokens,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
         lookup_refreshes=es.lookup_refreshes, queried_tokens=ms.queried_tokens,
         lookups=ms.lookups, lookup_timeouts=ms.lookup_timeouts, loaded_chunks=ms.loaded_chunks,
         recomputed_tokens=ms.recomputed_tokens, store_jobs=ms.stores,
         loads_skipped_slower_than_recompute=dict(ms.loads_skipped_slower_than_recompute),
-        skipped_load_tokens=ms.skipped_load_tokens,
+        skipped_load_tokens=ms.skipped_load_tokens, load_probes=ms.load_probes,
         stores_failed=ms.stores_failed, stores_deduplicated=ms.stores_deduplicated,
         bytes_stored=stored, bytes_loaded=loaded,
         pages_checked=model.pages_checked, states_checked=model.states_checked,

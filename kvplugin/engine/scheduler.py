@@ -114,6 +114,7 @@ class EngineStats:
     restored_states: int = 0  # Mamba states a request resumed from after a load
     restored_partial_states: int = 0  # of those, at a boundary inside a Mamba block
     transfer_s: float = 0.0  # with a model cost: simulated time the host link spent on loads
+    peak_running_tokens: int = 0  # the most tokens (prompt and output) running in one step
     # Wall time of every step that ran (schedule, model, bookkeeping), for latency figures
     # (bounded: exact percentiles up to a few thousand steps, then 1 % buckets).
     step_s: Quantiles = field(default_factory=Quantiles)
@@ -188,12 +189,14 @@ class Engine:
     # ------------------------------------------------------------------ submitting
     def add_request(self, request_id: str, prompt: Sequence[int], *, tenant: str,
                     max_tokens: int, cache_salt: str | None = None, lora: str | None = None,
-                    prefix_group: str | None = None,
-                    shared_prefix_tokens: int = 0) -> asyncio.Future[Result]:
+                    prefix_group: str | None = None, shared_prefix_tokens: int = 0,
+                    arrived: float | None = None) -> asyncio.Future[Result]:
         """Queue a request; the future resolves when it finished. With ``prefix_group`` (a
         group the deployment declares for the tenant), its first ``shared_prefix_tokens``
         tokens are the group's shared prefix: the manager may serve them from any member's
-        blocks, and the model computes them as the group's (see ``kvplugin.aio.tenants``)."""
+        blocks, and the model computes them as the group's (see ``kvplugin.aio.tenants``).
+        ``arrived``: when the client sent it, if earlier than now (its TTFT and latency
+        count from then: a request due while a simulated step ran waited for that step)."""
         self._check_fits(request_id, len(prompt), max_tokens)
         # The manager checks the pair (both or neither, a member, a length it accepts).
         shared = shared_prefix_tokens if prefix_group is not None or shared_prefix_tokens \
@@ -204,7 +207,9 @@ class Engine:
         self.model.add(request_id, req.all_token_ids, tenant, lora, prefix_group=prefix_group,
                        shared_prefix_tokens=shared_prefix_tokens)
         loop = asyncio.get_running_loop()
-        er = EngineRequest(req, tenant, max_tokens, loop.create_future(), self.clock.now())
+        now = self.clock.now()
+        er = EngineRequest(req, tenant, max_tokens, loop.create_future(),
+                           now if arrived is None else min(arrived, now))
         self.stats.requests += 1
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.waiting.append(er)
@@ -215,11 +220,12 @@ class Engine:
     async def generate(self, request_id: str, prompt: Sequence[int], *, tenant: str,
                        max_tokens: int, cache_salt: str | None = None,
                        lora: str | None = None, prefix_group: str | None = None,
-                       shared_prefix_tokens: int = 0) -> Result:
+                       shared_prefix_tokens: int = 0, arrived: float | None = None) -> Result:
         return await self.add_request(request_id, prompt, tenant=tenant, max_tokens=max_tokens,
                                       cache_salt=cache_salt, lora=lora,
                                       prefix_group=prefix_group,
-                                      shared_prefix_tokens=shared_prefix_tokens)
+                                      shared_prefix_tokens=shared_prefix_tokens,
+                                      arrived=arrived)
 
     def _check_fits(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
         if prompt_len < 1 or max_tokens < 1:
@@ -376,6 +382,9 @@ class Engine:
         if not preempted:
             self._schedule_waiting(budget, batch)
         self.stats.steps += bool(batch)
+        running = sum(er.req.num_tokens for er in self.running)
+        if running > self.stats.peak_running_tokens:
+            self.stats.peak_running_tokens = running
         return batch
 
     def _chunk(self, er: EngineRequest, budget: int) -> int:

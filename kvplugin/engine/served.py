@@ -73,6 +73,8 @@ class _Family:
     done: dict[str, Finished] = field(default_factory=dict)
     ended: dict[str, asyncio.Event] = field(default_factory=dict)
     ended_at: dict[str, float] = field(default_factory=dict)
+    sent_at: dict[str, float] = field(default_factory=dict)
+    unsent: set[str] = field(default_factory=set)  # past the stop: its children are too
     waiting: dict[str, int] = field(default_factory=dict)  # children not yet built
     order: list[str] = field(default_factory=list)  # fed, newest last (the window)
 
@@ -96,11 +98,19 @@ class _Family:
     def _forget(self, rid: str) -> None:
         if rid in self.waiting or not self.ended[rid].is_set():
             return  # a child still needs it, or it runs: its finish forgets it
-        for d in (self.done, self.ended, self.ended_at):
+        for d in (self.done, self.ended, self.ended_at, self.sent_at):
             d.pop(rid, None)
+        self.unsent.discard(rid)
 
     def finished(self, rid: str, fin: Finished, now: float) -> None:
         self.done[rid], self.ended_at[rid] = fin, now
+        self.ended[rid].set()
+        if rid not in self.order and rid not in self.waiting:
+            self._forget(rid)
+
+    def not_sent(self, rid: str) -> None:
+        """Its time came after the stop: it ends unsent, and so do its children."""
+        self.unsent.add(rid)
         self.ended[rid].set()
         if rid not in self.order and rid not in self.waiting:
             self._forget(rid)
@@ -109,14 +119,19 @@ class _Family:
 async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
                 on_finish: Callable[[Result], None] | None = None,
                 on_feed: Callable[[RequestSpec], None] | None = None,
-                keep_results: bool = True) -> dict[str, Result]:
+                keep_results: bool = True, stop_at_s: float | None = None
+                ) -> dict[str, Result]:
     """Serve ``specs`` on ``engine`` (which this runs) until every one has finished;
-    ``on_finish`` sees each result as its client gets it, ``on_feed`` each spec as it is
-    fed. A request without a parent is fed at its arrival time, a follow-up or resend at
-    once (it waits for its parent, then its think time). Returns the results by id
-    (empty with ``keep_results`` off: a long run keeps none)."""
+    ``on_finish`` sees each result as its client gets it, ``on_feed`` each spec as its
+    client sends it. A request without a parent is sent at its arrival time; a follow-up or
+    resend waits for its parent's answer, then sends once its think time after that answer
+    and its gap after the parent was sent have both passed. With ``stop_at_s``, a request
+    whose time comes at or after that many seconds from the start is not sent, nor are its
+    children (a benchmark that runs for a fixed time). Returns the results by id (empty with
+    ``keep_results`` off: a long run keeps none)."""
     clock = engine.clock
     start = clock.now()
+    stop = None if stop_at_s is None else start + stop_at_s
     # A lazy stream refers at most HISTORY specs back; a list may refer anywhere in it.
     family = _Family(len(specs) if isinstance(specs, Sequence) else HISTORY)
     results: dict[str, Result] = {}
@@ -125,15 +140,31 @@ async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
         at = start + spec.at_s
         if spec.after is not None:
             await family.ended[spec.after].wait()
-            at = max(at, family.ended_at[spec.after] + spec.think_s)
+            if spec.after in family.unsent:
+                family.built(spec.after)
+                family.not_sent(spec.request_id)
+                return
+            at = max(at, family.ended_at[spec.after] + spec.think_s,
+                     family.sent_at[spec.after] + spec.gap_s)
+        if stop is not None and at >= stop:
+            if spec.after is not None:
+                family.built(spec.after)
+            family.not_sent(spec.request_id)
+            return
         await clock.sleep_until(at)
         prompt = build_prompt(spec, family.done)
         if spec.after is not None:
             family.built(spec.after)
+        # Sent when due: with a simulated clock the client wakes at the end of the step
+        # that passed its time, but it sent then and waited for that step like any other.
+        family.sent_at[spec.request_id] = at
+        if on_feed is not None:
+            on_feed(spec)
         res = await engine.generate(spec.request_id, prompt, tenant=spec.tenant,
                                     max_tokens=spec.max_tokens, cache_salt=spec.cache_salt,
                                     lora=spec.lora, prefix_group=spec.prefix_group,
-                                    shared_prefix_tokens=spec.shared_prefix_tokens)
+                                    shared_prefix_tokens=spec.shared_prefix_tokens,
+                                    arrived=at)
         if keep_results:
             results[spec.request_id] = res
         if on_finish is not None:
@@ -144,11 +175,9 @@ async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
         try:
             async with asyncio.TaskGroup() as tg:
                 for spec in specs:
-                    if spec.after is None:
+                    if spec.after is None and (stop is None or start + spec.at_s < stop):
                         await clock.sleep_until(start + spec.at_s)
                     family.feed(spec)
-                    if on_feed is not None:
-                        on_feed(spec)
                     tg.create_task(client(spec), name=f"client-{spec.request_id}")
         finally:
             engine.stop()

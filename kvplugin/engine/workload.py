@@ -24,16 +24,18 @@ unique: offload can only cost).
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 from kvplugin.config import WorkloadConfig
 
 __all__ = ["HISTORY", "Finished", "MultiRoundQA", "RequestSpec", "build_prompt", "generate",
-           "kinds", "multi_round_qa", "no_reuse", "stream"]
+           "kinds", "multi_round_qa", "no_reuse", "stream", "warm_up_tokens"]
 
 HISTORY = 512  # a follow-up or a resend refers to one of this many latest requests
 
@@ -55,6 +57,7 @@ class RequestSpec:
     lora: str | None = None
     prefix_group: str | None = None  # the tenant's group, whose prefix the request shares
     shared_prefix_tokens: int = 0  # that prefix (the system prompt): tokens [0, this)
+    gap_s: float = 0.0  # a follow-up: how long after its parent was sent, at the earliest
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,36 +202,56 @@ def kinds(specs: Sequence[RequestSpec]) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class MultiRoundQA:
-    """The shape of LMCache's multi-round QA benchmark (defaults: its 10 users, 5 rounds,
-    1,000-token system prompt, 2,000-token user history, 100-token answers).
+    """LMCache's multi-round QA benchmark (``benchmarks/multi-round-qa``), its arrival rule
+    as implemented there. ``users`` users are in the system at once; a user's rounds are
+    sent at most one every ``gap_s = users / qps`` seconds, and never before its previous
+    answer is complete (open loop below saturation, closed loop per user above it). A user
+    lives ``(rounds - 1) * gap_s`` seconds, so one joins every ``join_s = (rounds - 1) /
+    qps`` (the rate at which they leave below saturation): at 0, ``join_s``, ... before
+    ``duration_s``, when sending stops. At the start ``users - 1`` users are already
+    mid-conversation, staggered as LMCache's ramp-up places them (user ``i`` ``i / users``
+    of a life behind the oldest), so the run starts in steady state.
 
-    User ``u`` belongs to tenant ``u % num_tenants`` and joins ``u * user_gap_s`` after the
-    start. Its first round asks ``system prompt + its history + a question``; every later
-    round resends the whole conversation so far (the previous prompt and its answer) plus a
-    new question, ``think_s`` after the previous answer. The system prompt is one per tenant
-    (one per group for the members of a prefix group, who share it)."""
+    Round ``r``'s prompt is the shared system prompt, the user's history, then every earlier
+    round (its question and answer) and a new question: each round resends the whole
+    conversation. A pre-seeded user's first prompt carries made-up earlier rounds (LMCache's
+    starts from the history alone), so every prompt has its round's length. Users are spread
+    over ``num_tenants`` tenants, round robin; the system prompt is one per tenant (per
+    group for the members of a prefix group)."""
 
     users: int = 10
-    rounds: int = 5
+    rounds: int = 10
+    qps: float = 1.0
+    duration_s: float = 60.0
     system_prompt_len: int = 1000
-    history_len: int = 2000
-    question_len: int = 50
+    history_len: int = 20000
+    question_len: int = 20
     answer_len: int = 100
-    num_tenants: int = 3
-    think_s: float = 0.5
-    user_gap_s: float = 0.25
+    num_tenants: int = 1
     vocab: int = 32000
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("users", "rounds", "system_prompt_len", "question_len", "answer_len",
+        for name in ("users", "system_prompt_len", "question_len", "answer_len",
                      "num_tenants"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if type(self.rounds) is not int or self.rounds < 2:
+            raise ValueError(f"rounds must be an int >= 2, got {self.rounds!r}")
         if type(self.history_len) is not int or self.history_len < 0:
             raise ValueError(f"history_len must be an int >= 0, got {self.history_len!r}")
-        if not (self.think_s >= 0 and self.user_gap_s >= 0) or self.vocab < 2:
-            raise ValueError("think_s and user_gap_s must be >= 0, vocab >= 2")
+        if not (0 < self.qps < math.inf and 0 < self.duration_s < math.inf) or self.vocab < 2:
+            raise ValueError("qps and duration_s must be finite and > 0, vocab >= 2")
+
+    @property
+    def gap_s(self) -> float:
+        """A user's rounds: one sent every this many seconds, at most."""
+        return self.users / self.qps
+
+    @property
+    def join_s(self) -> float:
+        """A new user every this many seconds."""
+        return (self.rounds - 1) / self.qps
 
     def prompt_len(self, round_: int) -> int:
         """Tokens of the prompt of round ``round_`` (0-based)."""
@@ -237,9 +260,27 @@ class MultiRoundQA:
 
     @property
     def working_set_tokens(self) -> int:
-        """Distinct tokens whose KV the whole run may reuse: every user's last round (its
-        prompt and answer), the system prompts counted once per user."""
+        """The KV the users in the system at once may reuse: each one's conversation at
+        its longest (the system prompts counted once per user)."""
         return self.users * (self.prompt_len(self.rounds - 1) + self.answer_len)
+
+    def starts(self) -> list[tuple[str, int, float]]:
+        """Every user's (name, first round, first send time), in time order: the
+        pre-seeded ``p1`` .. ``p{users-1}``, then ``u0``, ``u1``, .. joining."""
+        n, life = self.users, self.rounds - 1
+        out: list[tuple[str, int, float]] = []
+        for i in range(1, n):
+            # LMCache's ramp-up: user i is life * (n - i) / n seconds into its life; the
+            # rounds that fit in that time have been sent, the next is due a gap after the
+            # last of them (exact in rationals: the float product may round down a round).
+            behind = Fraction(life * (n - i), n)  # in gaps
+            done = int(behind) + 1
+            out.append((f"p{i}", done, float((done - behind) * self.gap_s)))
+        k = 0
+        while k * self.join_s < self.duration_s:
+            out.append((f"u{k}", 0, k * self.join_s))
+            k += 1
+        return sorted(out, key=lambda x: x[2])
 
 
 def _text(seed: int, *what: object, n: int, vocab: int) -> tuple[int, ...]:
@@ -249,29 +290,57 @@ def _text(seed: int, *what: object, n: int, vocab: int) -> tuple[int, ...]:
 
 
 def multi_round_qa(shape: MultiRoundQA, *, tenants: Sequence[str] | None = None,
-                   prefix_groups: Mapping[str, Sequence[str]] | None = None
-                   ) -> list[RequestSpec]:
-    """The specs of every round of every user (round-major: every first round, then every
-    second one, ...): a first round is a ``chat``, a later one a ``follow_up`` of the round
-    before it. ``tenants`` and ``prefix_groups`` as for :func:`generate`."""
+                   prefix_groups: Mapping[str, Sequence[str]] | None = None,
+                   warm_s: float | None = None) -> list[RequestSpec]:
+    """Every user's rounds (:meth:`MultiRoundQA.starts`: a user's first round a ``chat``
+    at its time, each later one a ``follow_up`` of the round before, ``gap_s`` after it
+    was sent at the earliest), users in the order they start; serve with ``stop_at_s =
+    duration_s``. ``tenants`` and ``prefix_groups`` as for :func:`generate`.
+
+    ``warm_s``: first, at 0, every pre-seeded user's conversation so far (the prompt of
+    its first round without the question, answered with one token: ``{user}w``), and
+    everything else ``warm_s`` later (serve with ``stop_at_s = warm_s + duration_s``). A
+    deployment that has been serving these users has their earlier rounds' KV somewhere;
+    this puts it where the deployment's own policy puts it (the device's cache, the
+    tiers), instead of starting every pre-seeded user cold. ``warm_s`` must leave the
+    warm-up time to finish (a cost model's :meth:`~kvplugin.costs.ModelCost.prefill_s`
+    of :func:`warm_up_tokens` is the least)."""
     names, group_of = _tenancy(tenants, shape.num_tenants, prefix_groups)
     s, v = shape, shape.vocab
+    shift = warm_s or 0.0
     specs: list[RequestSpec] = []
-    for r in range(s.rounds):
-        for u in range(s.users):
-            tenant = names[u % len(names)]
-            group = group_of.get(tenant)
-            new = _text(s.seed, "question", u, r, n=s.question_len, vocab=v)
-            after = f"u{u}r{r - 1}" if r else None
-            if not r:
-                system = _text(s.seed, "system", group or tenant, n=s.system_prompt_len,
-                               vocab=v)
-                new = (*system, *_text(s.seed, "history", u, n=s.history_len, vocab=v), *new)
-            specs.append(RequestSpec(
-                f"u{u}r{r}", tenant, "follow_up" if r else "chat", u * s.user_gap_s, new,
-                s.answer_len, s.prompt_len(r), after, s.think_s if r else 0.0,
-                prefix_group=group, shared_prefix_tokens=s.system_prompt_len if group else 0))
-    return specs
+    warm: list[RequestSpec] = []
+    for n, (user, first, at) in enumerate(s.starts()):
+        tenant = names[n % len(names)]
+        group = group_of.get(tenant)
+        shared = s.system_prompt_len if group else 0
+        head = (*_text(s.seed, "system", group or tenant, n=s.system_prompt_len, vocab=v),
+                *_text(s.seed, "history", user, n=s.history_len, vocab=v))
+        for r in range(first):  # a pre-seeded user's earlier rounds, made up
+            head += (*_text(s.seed, "question", user, r, n=s.question_len, vocab=v),
+                     *_text(s.seed, "answer", user, r, n=s.answer_len, vocab=v))
+        if first and warm_s is not None:
+            warm.append(RequestSpec(f"{user}w", tenant, "chat", 0.0, head, 1, len(head),
+                                    prefix_group=group, shared_prefix_tokens=shared))
+        for r in range(first, s.rounds):
+            question = _text(s.seed, "question", user, r, n=s.question_len, vocab=v)
+            if r == first:
+                specs.append(RequestSpec(f"{user}r{r}", tenant, "chat", shift + at,
+                                         (*head, *question), s.answer_len, s.prompt_len(r),
+                                         prefix_group=group,
+                                         shared_prefix_tokens=shared))
+            else:
+                specs.append(RequestSpec(f"{user}r{r}", tenant, "follow_up", 0.0, question,
+                                         s.answer_len, s.prompt_len(r), f"{user}r{r - 1}",
+                                         prefix_group=group, shared_prefix_tokens=shared,
+                                         gap_s=s.gap_s))
+    return [*warm, *specs]
+
+
+def warm_up_tokens(shape: MultiRoundQA) -> list[int]:
+    """The prompt length of each warm-up request of :func:`multi_round_qa` (``warm_s``)."""
+    return [shape.prompt_len(first) - shape.question_len
+            for _, first, _ in shape.starts() if first]
 
 
 def no_reuse(requests: int, *, prompt_len: int, answer_len: int, num_tenants: int = 3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplugin.aio.loadcost import LoadCosts, rate
+from kvplugin.aio.loadcost import Choice, LoadCosts, rate
 
 MS = 1e-3
 
@@ -52,7 +52,9 @@ def test_a_tier_that_slowed_down_is_skipped_then_probed_and_used_again() -> None
     c.observed("memory", 32, 32 * 0.1 * MS + 100 * MS)  # a load took 100 ms extra
     assert c.speeds["memory"].latency_s == pytest.approx(100 * MS)
     assert [c.choose(fast) for _ in range(3)] == [(0, "memory")] * 3
-    assert c.choose(fast) == (2, None) and c.probes == 1  # the fourth: a probe
+    # The fourth: skipped too, and one of its objects is to be read aside (a probe).
+    assert c.plan(fast) == Choice(0, "memory", "memory")
+    assert c.choose(fast) == (0, "memory") and c.probes == 1
     c.observed("memory", 32, 32 * 0.1 * MS)  # the probe was fast again
     c.observed("memory", 32, 32 * 0.1 * MS)
     c.observed("memory", 32, 32 * 0.1 * MS)
@@ -79,3 +81,18 @@ def test_a_simulated_run_decides_from_its_seeds_alone() -> None:
     c.observed("memory", 32, 10.0)  # real time says nothing in simulated time
     assert c.speeds["memory"].latency_s == 0.0 and c.speeds["memory"].loads == 0
     assert c.choose(units("redis")) == (0, "redis") and c.probes == 0  # no probe either
+
+
+def test_planning_is_pure_only_the_admitted_claim_counts_toward_a_probe() -> None:
+    # An engine plans a claim again each step its admission finds no room: those plans
+    # must not bring a probe closer (a tier would be probed every few steps, not claims).
+    c = costs(probe_every=2)
+    slow = units("redis")
+    assert [c.plan(slow) for _ in range(5)] == [Choice(0, "redis", None)] * 5
+    c.settle(c.plan(slow))  # the first admitted skip
+    assert c.plan(slow) == Choice(0, "redis", "redis")  # the second would be the probe
+    assert c.plan(slow) == Choice(0, "redis", "redis") and c.probes == 0
+    c.settle(c.plan(slow))
+    assert c.probes == 1 and c.plan(slow) == Choice(0, "redis", None)
+    c.settle(Choice(3, None, None))  # a claim loaded whole counts for nothing
+    assert c.plan(slow) == Choice(0, "redis", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 
 import pytest
 from conn_testlib import T, make_items, namespace, same
@@ -114,11 +115,45 @@ async def test_partially_faulty_connector_never_returns_wrong_data() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"error_rate": 1.5}, {"drop_write_rate": -0.1}, {"latency": -1.0}, {"corrupt_write_rate": 2}],
+    [{"error_rate": 1.5}, {"drop_write_rate": -0.1}, {"latency": -1.0}, {"corrupt_write_rate": 2},
+     {"get_delay": -0.01}, {"get_delay": float("nan")}],
 )
 async def test_plan_is_validated(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         FaultPlan(**kwargs)
+
+
+async def test_get_delay_slows_every_get_and_nothing_else() -> None:
+    items = make_items(namespace(), 3)
+    keys = [k for k, _ in items]
+    plan = FaultPlan(get_delay=0.05)
+    assert not plan.benign and plan.get_delay == 0.05
+    async with wrap(plan) as conn:
+        assert await conn.put(items, timeout=T) == 3
+        assert await conn.lookup(keys, timeout=T) == 3
+        assert await conn.delete(keys[2:], timeout=T) == 1
+        assert conn.injected.throttled == 0  # lookups, puts and deletes wait for nothing
+        for n in (1, 2):
+            began = time.perf_counter()
+            got = await conn.get(keys, timeout=T)
+            assert time.perf_counter() - began >= 0.05
+            assert [g is not None and same(g, b) for g, (_, b) in zip(got, items, strict=True)] \
+                == [True, True, False]  # then reads as it would have
+            assert conn.injected.throttled == n
+        assert await conn.get([], timeout=T) == []  # an empty batch does no I/O
+        assert conn.injected.throttled == 2
+        assert conn.injected.delays == conn.injected.errors == 0  # not a latency roll
+        assert conn.stats().errors == conn.stats().timeouts == 0
+
+
+async def test_a_get_delay_beyond_the_deadline_becomes_a_miss() -> None:
+    items = make_items(namespace(), 1)
+    async with wrap(FaultPlan(get_delay=30.0)) as conn:
+        await conn.put(items, timeout=T)
+        async with asyncio.timeout(5):  # liveness: the get ends at its 0.05 s deadline
+            assert await conn.get([items[0][0]], timeout=0.05) == [None]
+        assert conn.injected.throttled == 1 and conn.stats().timeouts == 1
+        assert await conn.lookup([items[0][0]], timeout=0.05) == 1  # not delayed
 
 
 async def test_circuit_breaker_state_machine() -> None:

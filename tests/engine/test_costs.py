@@ -131,3 +131,70 @@ async def test_with_a_model_cost_one_seed_is_still_one_run() -> None:
     first, second = (await serve(cfg)).as_dict(), (await serve(cfg)).as_dict()
     assert first["model_cost"] == "llama-3.1-8b-h100" and first["link_transfer_s"] > 0
     assert decided(first) == decided(second)
+
+
+def test_tier_links_override_a_presets_tier_and_leave_the_rest() -> None:
+    from kvplugin.config import validate
+    from kvplugin.plugin import deployment_cost
+
+    preset = model_cost("llama-3.1-8b-h100")
+    cfg = validate({"engine": {"model_cost": "llama-3.1-8b-h100",
+                               "tier_links": {"redis": {"gb_per_s": 10, "latency_ms": 0.2}}}},
+                   "test")
+    mc = deployment_cost(cfg)
+    assert mc is not None
+    assert mc.tiers["redis"] == TierLink(bytes_per_s=1e10, latency_s=0.2 / 1000)
+    assert mc.tiers["redis"].latency_s == pytest.approx(2e-4, rel=1e-12)
+    assert mc.tiers["disk"] == preset.tiers["disk"] == TierLink(6e9, 100e-6)  # the preset's
+    assert dataclasses.replace(mc, tiers=preset.tiers) == preset  # nothing else changed
+    assert PRESETS["llama-3.1-8b-h100"].tiers["redis"] == TierLink(2.5e9, 0.5e-3)  # untouched
+    # Redis at 10 GB/s: the 20 GB/s host link is no longer the slower side, the tier is.
+    assert mc.load_s({"redis": 1000}) == pytest.approx(0.2e-3 + 1000 * 131072 / 1e10)
+    assert mc.tier_s_per_token("redis") == pytest.approx(131072 / 1e10)
+    # A link's latency defaults to 0; a link faster than the host's is capped by the host's.
+    cfg = validate({"engine": {"model_cost": "llama-3.1-8b-h100",
+                               "tier_links": {"disk": {"gb_per_s": 50}}}}, "test")
+    mc = deployment_cost(cfg)
+    assert mc is not None and mc.tiers["disk"] == TierLink(5e10, 0.0)
+    assert mc.tiers["redis"] == preset.tiers["redis"]
+    assert mc.tier_s_per_token("disk") == preset.kv_bytes_per_token / 20e9
+    # No tier_links: the preset itself; no model cost: none.
+    assert deployment_cost(validate({"engine": {"model_cost": "llama-3.1-8b-h100"}})) == preset
+    assert deployment_cost(validate({})) is None
+
+
+@pytest.mark.parametrize("engine,error", [
+    ({"tier_links": {"redis": {"gb_per_s": 10}}},
+     "engine: Value error, tier_links are figures of a model cost: set engine.model_cost"),
+    ({"model_cost": "llama-3.1-8b-h100", "tier_links": {"memory": {"gb_per_s": 10}}},
+     "engine.tier_links.memory"),
+    ({"model_cost": "llama-3.1-8b-h100", "tier_links": {"redis": {"gb_per_s": 0}}},
+     "engine.tier_links.redis.gb_per_s: Input should be greater than 0"),
+    ({"model_cost": "llama-3.1-8b-h100",
+      "tier_links": {"redis": {"gb_per_s": 1, "latency_ms": -1}}},
+     "engine.tier_links.redis.latency_ms: Input should be greater than or equal to 0"),
+    ({"model_cost": "llama-3.1-8b-h100", "tier_links": {"redis": {"latency_ms": 1}}},
+     "engine.tier_links.redis.gb_per_s"),
+])
+def test_tier_links_are_validated(engine: dict[str, Any], error: str) -> None:
+    from kvplugin.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate({"engine": engine}, "test")
+    assert error in str(e.value)
+
+
+@pytest.mark.asyncio
+async def test_a_run_reports_the_tier_links_it_ran_with() -> None:
+    from kvplugin.engine.run import serve
+
+    cfg = small_config(disk=True, engine={"deterministic": True,
+                                          "model_cost": "llama-3.1-8b-h100",
+                                          "tier_links": {"disk": {"gb_per_s": 2.5,
+                                                                  "latency_ms": 1.5}}})
+    out = (await serve(cfg)).as_dict()
+    assert out["model_cost_tier_links"] == {"disk": {"gb_per_s": 2.5, "latency_ms": 1.5}}
+    assert out["model_cost"] == "llama-3.1-8b-h100"
+    plain = small_config(disk=True, engine={"deterministic": True,
+                                            "model_cost": "llama-3.1-8b-h100"})
+    assert "model_cost_tier_links" not in (await serve(plain)).as_dict()
