@@ -11,8 +11,9 @@ resends the whole conversation plus a new question; ``--answer-len``-token answe
 canonical shape is a 1,000-token shared system prompt, 20,000-token histories, 100-token
 answers, 10 rounds; here system prompt and history are scaled by 1/10 (100 and 2,000
 tokens) and the users (100) chosen so that the users' conversations are 4x the device pool
-and the pool holds over twice the batch in flight at the highest sustainable QPS (printed
-per run: ``peak in flight``).
+and the pool holds twice the running batch up to 14 QPS; nearer memory + disk's saturation
+the batch grows to the pool and it preempts (printed per run: ``running``, ``pool``,
+``preempt``).
 
 **The time** is ``--model-cost``'s (``kvplugin/costs.py``: Llama-3.1-8B on one H100 SXM
 from published figures): a step of the model, and a load's KV bytes (128 KiB per token, the
@@ -31,8 +32,9 @@ Three parts:
   deployment's figures (``--slow-redis-gbps``, 100 GbE) but throttled by fault injection
   (every get waits ``--slow-get-delay-ms``), so loading from it is slower than recomputing:
   offload off, cost-aware loading (``offload.cost_aware_loads``, measuring the tier) and
-  naive loading (the decision off) in the same run. Also memory + disk in real time on that
-  shape: the event loop's lag, and a real-time check of the sweep's TTFT ratio.
+  naive loading (the decision off) in the same run, on the sweep's small test pages. Also
+  offload off and memory + disk in real time on that shape with ``--page`` pages: the event
+  loop's lag, and a real-time check of the sweep's TTFT ratio.
 * **No reuse** (real time): every prompt unique, all at once: offload can only cost.
 
 The last line is JSON; ``--plot FILE.png`` draws TTFT p50 and p90 against QPS.

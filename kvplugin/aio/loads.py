@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from connectors.base import Connector
 from connectors.keys import ObjectKey
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_load
@@ -96,7 +97,8 @@ class Loads(JobSide):
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def _read_aside(self, conn: Any, key: ObjectKey, tier: str, tokens: int) -> None:
+    async def _read_aside(self, conn: Connector, key: ObjectKey, tier: str,
+                          tokens: int) -> None:
         assert self._costs is not None
         timeout = self._config.load_timeout
         try:

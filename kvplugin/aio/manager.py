@@ -384,9 +384,9 @@ class AsyncKVManager:
         a probe reads one of the skipped objects aside."""
         assert self.load_costs is not None and self._loads is not None
         self.load_costs.settle(choice)
-        if choice.probe is not None:
-            end = claim.local + claim.external
-            self._loads.probe(st, lookup, end, end + uncut - claim.external, choice.probe)
+        if choice.probe is not None:  # among the tokens cut: [kept end, claimed end)
+            self._loads.probe(st, lookup, claim.local + claim.external, claim.local + uncut,
+                              choice.probe)
         if choice.slow is not None:
             s = self._stats
             s.loads_skipped_slower_than_recompute[choice.slow] = (

@@ -44,13 +44,13 @@ class Timeline:
 @dataclass(slots=True)
 class Served:
     """What a run keeps of its requests: counts and TTFT percentiles (overall and per
-    tenant), the workload's kinds and prompt tokens as fed, the time series."""
+    tenant), the workload's kinds and prompt tokens as sent, the time series."""
 
     ttft_ms: Quantiles = field(default_factory=Quantiles)
     tenant_ttft_ms: dict[str, Quantiles] = field(default_factory=dict)
     tenant_requests: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0  # of the specs fed (a prompt's length is known in advance)
+    prompt_tokens: int = 0  # of the specs sent (a prompt's length is known in advance)
     timeline: Timeline = field(default_factory=Timeline)
 
     def fed(self, spec: RequestSpec) -> None:
@@ -140,13 +140,11 @@ async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
         at = start + spec.at_s
         if spec.after is not None:
             await family.ended[spec.after].wait()
-            if spec.after in family.unsent:
-                family.built(spec.after)
-                family.not_sent(spec.request_id)
-                return
-            at = max(at, family.ended_at[spec.after] + spec.think_s,
-                     family.sent_at[spec.after] + spec.gap_s)
-        if stop is not None and at >= stop:
+            if spec.after not in family.unsent:
+                at = max(at, family.ended_at[spec.after] + spec.think_s,
+                         family.sent_at[spec.after] + spec.gap_s)
+        if (spec.after is not None and spec.after in family.unsent) or (
+                stop is not None and at >= stop):
             if spec.after is not None:
                 family.built(spec.after)
             family.not_sent(spec.request_id)
