@@ -97,10 +97,14 @@ class WorkerSide:
             raise RuntimeError("a worker call on the scheduler's KVPluginConnector")
         return self._rt
 
-    def _drain_saves(self) -> None:
-        for puts in self._w.saves.values():
-            concurrent.futures.wait([p.future for p in puts],
-                                    timeout=self._tiers.timeouts.store)
+    def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Block until every store handed to the tiers so far has ended (``timeout``
+        seconds at most; the store timeout when None); False if some still run. vLLM never
+        calls it: shutdown does, and a harness that must see a step's stores in the tiers
+        before it sends the next request (stores otherwise end on the tiers' time)."""
+        futures = [p.future for puts in self._w.saves.values() for p in puts]
+        limit = self._tiers.timeouts.store if timeout is None else timeout
+        return not concurrent.futures.wait(futures, timeout=limit).not_done
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -229,7 +229,7 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         if self._server is not None:
             self._server.close()
         if self._rt is not None:
-            self._drain_saves()
+            self.wait_for_stores()
             _runtime.release(self._rt)
 
     def _tenant(self, request: Any) -> str:

@@ -426,6 +426,12 @@ class Runner:
                 return False
         return True
 
+    def settle_stores(self) -> None:
+        """Every store handed to the tiers so far has ended: what a request arriving now
+        finds in them is what the steps before it stored, on any machine's clock."""
+        if self.w is not None:
+            assert self.w.wait_for_stores(), "a store did not end within its timeout"
+
     def step(self, so: Any) -> Any:
         from vllm.v1.outputs import KVConnectorOutput
 

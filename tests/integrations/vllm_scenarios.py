@@ -54,6 +54,8 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
     bp = scheduler.kv_cache_manager.block_pool
     step = 0
     for step in range(max_steps):
+        if step in arrivals:
+            runner.settle_stores()
         for w in arrivals.get(step, []):
             sp = SamplingParams(max_tokens=w["max_tokens"], ignore_eos=True)
             scheduler.add_request(Request(request_id=w["id"], prompt_token_ids=w["prompt"],
