@@ -55,19 +55,14 @@ import pyarrow as pa
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
 
-# Run as a script, this file's directory comes first on sys.path and the file itself would
-# shadow the ``connectors`` package it measures.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-from connectors.base import Connector  # noqa: E402
-from connectors.cluster_testing import LocalRedisCluster  # noqa: E402
-from connectors.disk import DiskConnector  # noqa: E402
-from connectors.faults import LocalRedisServer  # noqa: E402
-from connectors.keys import Namespace, ObjectKey  # noqa: E402
-from connectors.redis import RedisConnector, RedisOptions  # noqa: E402
-from connectors.redis_cluster import RedisClusterConnector, RedisClusterOptions  # noqa: E402
-from kvplugin.serde import Block  # noqa: E402
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.cluster_testing import LocalRedisCluster
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.keys import Namespace, ObjectKey
+from kvplugin.connectors.redis import RedisConnector, RedisOptions
+from kvplugin.connectors.redis_cluster import RedisClusterConnector, RedisClusterOptions
+from kvplugin.serde import Block
 
 KIB = 1024
 MIB = 1024 * KIB

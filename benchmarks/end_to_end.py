@@ -64,21 +64,16 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-# Run as a script, this file's directory comes first on sys.path and benchmarks/connectors.py
-# would shadow the ``connectors`` package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-from connectors.base import Connector  # noqa: E402
-from connectors.faults import FaultInjector, FaultPlan, LocalRedisServer  # noqa: E402
-from kvplugin.config import KVPluginConfig, validate  # noqa: E402
-from kvplugin.costs import model_cost  # noqa: E402
-from kvplugin.engine.loop import run, uvloop_available  # noqa: E402
-from kvplugin.engine.quantiles import Quantiles  # noqa: E402
-from kvplugin.engine.report import RunReport  # noqa: E402
-from kvplugin.engine.run import serve  # noqa: E402
-from kvplugin.engine.scheduler import Result  # noqa: E402
-from kvplugin.engine.workload import (  # noqa: E402
+from kvplugin.config import KVPluginConfig, validate
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
+from kvplugin.costs import model_cost
+from kvplugin.engine.loop import run, uvloop_available
+from kvplugin.engine.quantiles import Quantiles
+from kvplugin.engine.report import RunReport
+from kvplugin.engine.run import serve
+from kvplugin.engine.scheduler import Result
+from kvplugin.engine.workload import (
     MultiRoundQA,
     RequestSpec,
     multi_round_qa,

@@ -20,7 +20,7 @@ collector is off while timing. Last line: JSON with ``loop_lag_p99_ms`` (manager
 
 The loop is the one ``kvplugin run`` serves on: uvloop when installed (``--asyncio`` for
 asyncio's own); the disk tier's I/O pool has its default size (``--io-threads`` to choose:
-see ``connectors.disk.default_io_threads`` for why the default leaves a core to the loop).
+see ``kvplugin.connectors.disk.default_io_threads`` for why the default leaves a core to the loop).
 
     python3 benchmarks/event_loop.py             # targets: lag p99 <= 5 ms, ratio >= 0.80
     python3 benchmarks/event_loop.py --rounds 9 --object-kib 1024 --asyncio --io-threads 4
@@ -36,26 +36,22 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-from connectors.base import Connector, PutItem  # noqa: E402
-from connectors.disk import default_io_threads  # noqa: E402
-from kvplugin.aio.manager import AsyncKVManager  # noqa: E402
-from kvplugin.aio.values import OffloadConfig, StoreMode  # noqa: E402
-from kvplugin.config import KVPluginConfig, validate  # noqa: E402
-from kvplugin.core.request import Request  # noqa: E402
-from kvplugin.engine.build import build_connector, build_core  # noqa: E402
-from kvplugin.engine.loop import LagProbe, new_event_loop, uvloop_available  # noqa: E402
-from kvplugin.engine.quantiles import Quantiles  # noqa: E402
-from kvplugin.serde import Block  # noqa: E402
+from kvplugin.aio.manager import AsyncKVManager
+from kvplugin.aio.values import OffloadConfig, StoreMode
+from kvplugin.config import KVPluginConfig, validate
+from kvplugin.connectors.base import Connector, PutItem
+from kvplugin.connectors.disk import default_io_threads
+from kvplugin.core.request import Request
+from kvplugin.engine.build import build_connector, build_core
+from kvplugin.engine.loop import LagProbe, new_event_loop, uvloop_available
+from kvplugin.engine.quantiles import Quantiles
+from kvplugin.serde import Block
 
 BLOCK = 16  # tokens per block
 TIMEOUT = 30.0

@@ -28,8 +28,6 @@ import contextlib
 import gc
 import json
 import logging
-import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -37,18 +35,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Run as a script, this file's directory comes first on sys.path and benchmarks/connectors.py
-# would shadow the ``connectors`` package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-from connectors.base import Connector  # noqa: E402
-from connectors.faults import LocalRedisServer  # noqa: E402
-from kvplugin.config import KVPluginConfig, validate  # noqa: E402
-from kvplugin.engine.build import Deployment, deployment  # noqa: E402
-from kvplugin.engine.loop import LagProbe, run, uvloop_available  # noqa: E402
-from kvplugin.engine.scheduler import Engine, Result  # noqa: E402
-from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate  # noqa: E402
+from kvplugin.config import KVPluginConfig, validate
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.engine.build import Deployment, deployment
+from kvplugin.engine.loop import LagProbe, run, uvloop_available
+from kvplugin.engine.scheduler import Engine, Result
+from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate
 
 RSS_MARK = 1000  # RSS is read when this many requests have finished, and at the end
 # Requests in flight at most (a fixed population of users): arrivals faster than the engine

@@ -34,9 +34,9 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
-from connectors.events import DEFAULT_EVENT_LIMIT, EventLog, TierEvent
-from connectors.keys import ObjectKey
 from kvplugin import serde
+from kvplugin.connectors.events import DEFAULT_EVENT_LIMIT, EventLog, TierEvent
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.serde import PLAIN, Block, BlockFormatError, Codec, DraftBlock, EncodedBlock
 
 if TYPE_CHECKING:
@@ -349,8 +349,8 @@ class Connector(abc.ABC):
     _event_log: EventLog | None = None  # set by watch_events
 
     def watch_events(self, limit: int = DEFAULT_EVENT_LIMIT) -> None:
-        """Record this tier's events from now on (:mod:`connectors.events`): objects stored,
-        removed (evicted, deleted, corrupt, found gone), the tier cleared. Idempotent; at
+        """Record this tier's events from now on (:mod:`kvplugin.connectors.events`): objects
+        stored, removed (evicted, deleted, corrupt, found gone), the tier cleared. Idempotent; at
         most ``limit`` held between two :meth:`take_events`. A composite watches its tiers;
         a connector that records nothing (a third-party one) returns no events."""
         if self._event_log is None:

@@ -13,7 +13,7 @@ hex, so no name from a request can reach the file system.
 * **Recovery.** :meth:`DiskConnector.start` (run on first use) rebuilds the index by scanning
   the tree, oldest modification first, and trims it to the budget. Only regular files are
   indexed.
-* **Nothing in the directory is trusted** (see :mod:`connectors.diskio`). Every file
+* **Nothing in the directory is trusted** (see :mod:`kvplugin.connectors.diskio`). Every file
   operation is relative to the root's descriptor and resolves through no symbolic link, so
   nothing planted in the tree sends a read, write or delete outside it; files are opened
   without waiting (a FIFO, socket or device node cannot block the loop or an I/O thread);
@@ -24,7 +24,7 @@ hex, so no name from a request can reach the file system.
   :class:`StoragePermissionError`, the temp file is removed and the index is unchanged.
 
 * **Loads from the page cache run on the loop.** A load first tries
-  :class:`~connectors.nowait.NoWaitReader`, which opens and reads the file only if the
+  :class:`~kvplugin.connectors.nowait.NoWaitReader`, which opens and reads the file only if the
   kernel can serve every path component and every byte from memory, and refuses at once
   otherwise; refused objects go to the I/O threads. It never waits for the device, and at
   most ``inline_read_bytes`` (default 4 MiB) are copied on the loop per call. A hot object
@@ -73,8 +73,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiofiles.os
 
-from connectors import diskio
-from connectors.base import (
+from kvplugin import serde
+from kvplugin.connectors import diskio
+from kvplugin.connectors.base import (
     BackendError,
     BackendUnavailable,
     Capabilities,
@@ -89,10 +90,9 @@ from connectors.base import (
     encode_once,
     finish,
 )
-from connectors.diskio import LOCK_NAME, DirectoryInUse, ForeignObject, RootDir
-from connectors.keys import NS_HEX_LEN, ObjectKey
-from connectors.nowait import NoWaitReader
-from kvplugin import serde
+from kvplugin.connectors.diskio import LOCK_NAME, DirectoryInUse, ForeignObject, RootDir
+from kvplugin.connectors.keys import NS_HEX_LEN, ObjectKey
+from kvplugin.connectors.nowait import NoWaitReader
 from kvplugin.serde import Block, EncodedBlock
 
 if TYPE_CHECKING:
@@ -326,7 +326,7 @@ class DiskConnector(StoreBase):
 
     def _load_now(self, keys: list[ObjectKey]) -> tuple[list[Loaded], Sequence[int]]:
         """Load on the loop what the kernel can serve from memory without waiting (see
-        :mod:`connectors.nowait`), at most ``inline_read_bytes`` per call; the rest goes to
+        :mod:`kvplugin.connectors.nowait`), at most ``inline_read_bytes`` per call; the rest goes to
         the I/O threads.
 
         The loop pays about as much per object either way (measured, 1 MiB: 62 us of loop

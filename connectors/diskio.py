@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa  # type: ignore[import-untyped]
 
-from connectors.base import BackendUnavailable
-from connectors.nowait import (
+from kvplugin.connectors.base import BackendUnavailable
+from kvplugin.connectors.nowait import (
     RESOLVE_BENEATH,
     RESOLVE_NO_SYMLINKS,
     SYS_OPENAT2,

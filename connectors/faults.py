@@ -1,10 +1,10 @@
 """Fault injection for connector tests (yours too): a wrapper and a disposable redis-server.
 
-:class:`FaultInjector` wraps any :class:`~connectors.base.Connector` and, driven by its own
+:class:`FaultInjector` wraps any :class:`~kvplugin.connectors.base.Connector` and, driven by its own
 seeded ``random.Random`` (never the global random state), injects:
 
 * **errors** — a call fails as if the backend were down (reads answer misses, writes raise
-  :class:`InjectedFault`, a :class:`~connectors.base.BackendUnavailable`);
+  :class:`InjectedFault`, a :class:`~kvplugin.connectors.base.BackendUnavailable`);
 * **latency** — a call sleeps first, inside its deadline (latency above the deadline turns
   into the connector's timeout behaviour);
 * **dropped writes** — ``put`` reports an object stored and never writes it;
@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
-from connectors.base import (
+from kvplugin.connectors.base import (
     BackendUnavailable,
     Connector,
     ConnectorStats,
@@ -44,8 +44,8 @@ from connectors.base import (
     check_timeout,
     encode_once,
 )
-from connectors.events import DEFAULT_EVENT_LIMIT, TierEvent
-from connectors.keys import ObjectKey
+from kvplugin.connectors.events import DEFAULT_EVENT_LIMIT, TierEvent
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.serde import Block, Codec, EncodedBlock
 
 __all__ = ["FaultCounters", "FaultInjector", "FaultPlan", "InjectedFault", "LocalRedisServer"]

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from connectors.base import (
+from kvplugin.buffers import MIN_POOLED_BYTES, PayloadPool, default_pool
+from kvplugin.connectors.base import (
     Capabilities,
     Encoded,
     Loaded,
@@ -33,7 +34,6 @@ from connectors.base import (
     decode_or_error,
     finish,
 )
-from kvplugin.buffers import MIN_POOLED_BYTES, PayloadPool, default_pool
 from kvplugin.serde import SplitObject, split_if_immutable
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
-    from connectors.keys import ObjectKey
+    from kvplugin.connectors.keys import ObjectKey
     from kvplugin.serde import EncodedBlock
 
 __all__ = ["MemoryConnector"]
@@ -60,7 +60,7 @@ class MemoryConnector(StoreBase):
         reserve: bool = False,
         pool: PayloadPool | None = None,
     ) -> None:
-        """``secret``/``previous_secrets``: see :class:`~connectors.base.StoreBase`.
+        """``secret``/``previous_secrets``: see :class:`~kvplugin.connectors.base.StoreBase`.
         ``reserve``: fault the capacity in now (see the module's doc); ``pool``: where
         copies go (the process's :func:`~kvplugin.buffers.default_pool` by default)."""
         if type(capacity_bytes) is not int or capacity_bytes <= 0:

@@ -7,8 +7,8 @@
   loads pipeline ``GET``\\ s, stores pipeline their ``SET``\\ s: one round trip per batch,
   one command per key, so each key gets its own answer (and a cluster could split them).
   All go through one ``BlockingConnectionPool`` so concurrency and waits are bounded.
-  Commands are packed and replies read in :mod:`connectors.resp`: a stored value goes out as
-  the encoder's pieces and comes back as a view of the bytes read, never copied again.
+  Commands are packed and replies read in :mod:`kvplugin.connectors.resp`: a stored value goes
+  out as the encoder's pieces and comes back as a view of the bytes read, never copied again.
 * **Whatever the server holds or says.** A value that is not a string (someone ran
   ``LPUSH`` on one of our keys), an empty one, or a corrupt one is a counted miss and is
   replaced or removed; an error reply for one key (``WRONGTYPE``) is that key's answer, not a
@@ -41,14 +41,14 @@ import redis.exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from connectors.base import (
+from kvplugin.connectors.base import (
     BackendError,
     BackendUnavailable,
     CircuitBreaker,
     CircuitOpen,
     StoragePermissionError,
 )
-from connectors.redis_common import (
+from kvplugin.connectors.redis_common import (
     DENIED,
     TRANSIENT,
     WRONG_TYPE,
@@ -63,7 +63,7 @@ from connectors.redis_common import (
     reply_value,
     secret_forms,
 )
-from connectors.resp import Reply, pack, wire_class
+from kvplugin.connectors.resp import Reply, pack, wire_class
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

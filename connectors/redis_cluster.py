@@ -2,7 +2,8 @@
 
 ``remote_url: redis-cluster://[user[:password]@]host:port[,host:port...]`` (any reachable
 nodes; the rest are discovered; options and URL parsing in
-:mod:`connectors.redis_cluster_options`). What stays exactly as in :mod:`connectors.redis`:
+:mod:`kvplugin.connectors.redis_cluster_options`). What stays exactly as in
+:mod:`kvplugin.connectors.redis`:
 
 * **Keys and values.** ``<prefix><96 hex>``, one self-describing value per object written
   with ``SET key value NX [EX ttl]``: a key is a valid cluster key as it is (no braces, so
@@ -10,9 +11,9 @@ nodes; the rest are discovered; options and URL parsing in
   connector is the same bytes under the same key (``redis-cli --cluster import`` moves a
   deployment over). Every command names one key, so no command can be cross-slot.
 * **Verification.** Loads are decoded and verified (checksums or MACs, and the key check)
-  by :class:`~connectors.base.StoreBase`: whatever a node, a failover or a reshard
+  by :class:`~kvplugin.connectors.base.StoreBase`: whatever a node, a failover or a reshard
   returns, a corrupt, foreign or misplaced object is a counted miss, never a block.
-* **The wire.** Commands are packed and replies read by :mod:`connectors.resp` on pooled
+* **The wire.** Commands are packed and replies read by :mod:`kvplugin.connectors.resp` on pooled
   connections (a small pool per node, at most ``max_connections``): values go out as the
   encoder's pieces and come back as views, error replies are per-key answers.
 
@@ -33,7 +34,7 @@ What the cluster adds:
   a refresh of the slot map (one shared refresh at a time), ``retries`` times, all inside
   the call's deadline. Then the keys it serves fail: a read answers them as misses (the
   other nodes' keys are still served; a prefix lookup stops at the first failed key), a
-  write raises :class:`~connectors.base.BackendUnavailable`. Each node has its own circuit
+  write raises :class:`~kvplugin.connectors.base.BackendUnavailable`. Each node has its own circuit
   breaker, so a dead or hung master makes only its own keys fail fast. Once a replica is
   promoted, the refreshed map routes there: the connector never has to be rebuilt.
 """
@@ -59,7 +60,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
-from connectors.base import (
+from kvplugin.connectors.base import (
     BackendError,
     BackendUnavailable,
     CircuitBreaker,
@@ -69,14 +70,14 @@ from connectors.base import (
     StoragePermissionError,
     decode_all,
 )
-from connectors.redis import RedisConnector, RedisOptions
-from connectors.redis_cluster_options import (
+from kvplugin.connectors.redis import RedisConnector, RedisOptions
+from kvplugin.connectors.redis_cluster_options import (
     SCHEME,
     RedisClusterOptions,
     is_cluster_url,
     remote_url_problem,
 )
-from connectors.redis_common import (
+from kvplugin.connectors.redis_common import (
     DENIED,
     TRANSIENT,
     WRONG_TYPE,
@@ -90,13 +91,13 @@ from connectors.redis_common import (
     reply_strlen,
     reply_value,
 )
-from connectors.resp import ErrorReply, Reply, pack, wire_class
+from kvplugin.connectors.resp import ErrorReply, Reply, pack, wire_class
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from connectors.base import Loaded
-    from connectors.keys import ObjectKey
+    from kvplugin.connectors.base import Loaded
+    from kvplugin.connectors.keys import ObjectKey
 
 __all__ = [
     "SCHEME",
@@ -129,7 +130,7 @@ def connector_from_url(
     **options: Any,
 ) -> Connector:
     """The remote tier for ``remote_url``: a :class:`RedisClusterConnector` for
-    ``redis-cluster://``, a :class:`~connectors.redis.RedisConnector` for anything else
+    ``redis-cluster://``, a :class:`~kvplugin.connectors.redis.RedisConnector` for anything else
     (``redis://``, ``rediss://``, ``unix://``); ``options`` are the options' other fields."""
     if is_cluster_url(url):
         return RedisClusterConnector(

@@ -1,6 +1,6 @@
 """Redis Cluster URLs and options: ``redis-cluster://[user[:password]@]host:port[,...]``.
 
-The options are the single-node connector's (:class:`~connectors.redis.RedisOptions`,
+The options are the single-node connector's (:class:`~kvplugin.connectors.redis.RedisOptions`,
 checked the same way) plus ``max_redirects``; the URL names startup nodes (any reachable
 ones will do, the rest are discovered) and the credentials every node shares. A cluster has
 only database 0, so the URL takes no database, path or query.
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from connectors.redis import RedisOptions
-from connectors.redis_common import public_url
+from kvplugin.connectors.redis import RedisOptions
+from kvplugin.connectors.redis_common import public_url
 
 __all__ = ["SCHEME", "RedisClusterOptions", "is_cluster_url", "remote_url_problem"]
 
@@ -59,7 +59,7 @@ def _host_port(part: str, url: str) -> tuple[str, int]:
 @dataclass(frozen=True, slots=True, repr=False)  # RedisOptions' repr: no password shown
 class RedisClusterOptions(RedisOptions):
     """Cluster connection, batching and failure-handling settings (times in seconds):
-    :class:`~connectors.redis.RedisOptions`' fields, checked the same way
+    :class:`~kvplugin.connectors.redis.RedisOptions`' fields, checked the same way
     (``max_connections`` is per node), plus ``max_redirects``; ``url`` is a
     ``redis-cluster://`` URL."""
 

@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit, urlu
 
 import redis.exceptions as rexc
 
-from connectors.base import (
+from kvplugin.connectors.base import (
     BackendError,
     Capabilities,
     ConnectorError,
@@ -25,7 +25,7 @@ from connectors.base import (
     StoreBase,
     finish,
 )
-from connectors.resp import ErrorReply, ProtocolError, Reply, pack, pack_set
+from kvplugin.connectors.resp import ErrorReply, ProtocolError, Reply, pack, pack_set
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -17,7 +17,7 @@ dropped and counted in ``promotions_dropped``), a key already being promoted is 
 twice, and a tier is skipped for objects bigger than its ``max_object_bytes``.
 
 A tier's backend trouble never leaves a public call as anything but what the protocol
-allows (a miss, an unhealthy report, a :class:`~connectors.base.ConnectorError`); any other
+allows (a miss, an unhealthy report, a :class:`~kvplugin.connectors.base.ConnectorError`); any other
 exception from a tier (misuse, a bug) propagates, after every tier's call has ended.
 
 The tiered connector owns its tiers: ``aclose()`` closes them.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from connectors.base import (
+from kvplugin.connectors.base import (
     Capabilities,
     Connector,
     ConnectorError,
@@ -47,8 +47,8 @@ from connectors.base import (
     common_codec,
     encode_once,
 )
-from connectors.events import DEFAULT_EVENT_LIMIT, TierEvent
-from connectors.keys import ObjectKey
+from kvplugin.connectors.events import DEFAULT_EVENT_LIMIT, TierEvent
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.serde import Block, Codec
 
 __all__ = ["TieredConnector"]

@@ -2,7 +2,8 @@
 
 The package is layered (see ARCHITECTURE.md): ``kvplugin.core`` is the synchronous,
 I/O-free allocation core (behaviour-compatible with vLLM 0.33.0's ``KVCacheManager``);
-``connectors`` (a sibling top-level package) speak keys and bytes only.  This module
+``kvplugin.connectors`` (the ``connectors/`` folder, installed under kvplugin's name) speak
+keys and bytes only.  This module
 imports nothing heavy so that importing one layer never drags in another.
 """
 

@@ -228,7 +228,8 @@ TEMP_DISK = "temp://"  # offload.local_disk: a fresh temporary directory, remove
 TIER_KINDS = ("memory", "disk", "redis")
 # Names of the tiers before they had one name everywhere: refused with the new one.
 OLD_TIER_NAMES = {"host": "memory", "remote": "redis"}
-CLUSTER_SCHEME = "redis-cluster://"  # remote_url: a Redis Cluster (connectors.redis_cluster)
+# remote_url: a Redis Cluster (kvplugin.connectors.redis_cluster)
+CLUSTER_SCHEME = "redis-cluster://"
 # remote_url: "env:NAME" reads the URL from the environment variable NAME when the config is
 # loaded (the shipped configs point at no shared default Redis: the deployment says which).
 ENV_REF = "env:"
@@ -376,7 +377,7 @@ class OffloadConfigSection(_Strict):
 def redis_url_problem(url: str) -> str | None:
     """Why ``url`` is not a Redis URL the Redis tier can connect to (None: it is)."""
     if url.startswith(CLUSTER_SCHEME):
-        from connectors.redis_cluster import remote_url_problem
+        from kvplugin.connectors.redis_cluster import remote_url_problem
 
         return remote_url_problem(url)
     try:
@@ -488,7 +489,7 @@ FAULT_KINDS: tuple[FaultKind, ...] = ("error", "latency", "drop", "corrupt")
 
 
 class FaultsConfig(_Strict):
-    """Fault drills: every tier wrapped in a seeded ``connectors.faults.FaultInjector``.
+    """Fault drills: every tier wrapped in a seeded ``kvplugin.connectors.faults.FaultInjector``.
 
     ``rate`` is the share of connector operations that go wrong, split evenly over
     ``kinds``: ``error`` (a call fails as if the backend were down), ``latency`` (a call

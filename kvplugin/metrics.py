@@ -45,11 +45,11 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from connectors.base import ConnectorStats
 from kvplugin.aio.ledger import LedgerTotals
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.tenants import TenantStats
 from kvplugin.aio.values import Histogram, Latency, OffloadStats, Residency
+from kvplugin.connectors.base import ConnectorStats
 
 if TYPE_CHECKING:
     from kvplugin.engine.build import Deployment

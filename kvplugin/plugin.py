@@ -24,11 +24,6 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
-from connectors.base import Connector
-from connectors.disk import DiskConnector
-from connectors.faults import FaultInjector, FaultPlan
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
 from kvplugin.aio.jobs import tier_names
 from kvplugin.aio.loadcost import LoadCosts, rate
 from kvplugin.aio.manager import AsyncKVManager
@@ -43,6 +38,11 @@ from kvplugin.config import (
     unresolved_remote_url,
 )
 from kvplugin.config import load_config as _load_config
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.costs import ModelCost, TierLink, model_cost
 from kvplugin.engine.layouts import build_core
 from kvplugin.registry import RegistryError, create
@@ -93,10 +93,10 @@ def build_tiers(off: OffloadConfigSection, disk_root: str | None,
 
 def _remote(url: str) -> Connector:
     if url.startswith(CLUSTER_SCHEME):
-        from connectors.redis_cluster import connector_from_url
+        from kvplugin.connectors.redis_cluster import connector_from_url
 
         return connector_from_url(url)
-    from connectors.redis import RedisConnector, RedisOptions
+    from kvplugin.connectors.redis import RedisConnector, RedisOptions
 
     return RedisConnector(RedisOptions(url=url))
 

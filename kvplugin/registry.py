@@ -9,8 +9,8 @@ A kind (``offload.connectors[].kind`` in a config) is resolved, in this order, a
   metadata (``[project.entry-points."kvplugin.connectors"] myconn = "mypkg.conn:MyConnector"``).
 
 What a kind resolves to is a *factory*: a connector class or any callable that returns a
-:class:`connectors.base.Connector`, called with the spec's ``options`` as keyword arguments
-(``redis`` takes :class:`connectors.redis.RedisOptions`' fields). Registering or
+:class:`kvplugin.connectors.base.Connector`, called with the spec's ``options`` as keyword arguments
+(``redis`` takes :class:`kvplugin.connectors.redis.RedisOptions`' fields). Registering or
 declaring the same factory twice is harmless; two different ones under one name are an
 error, never a silent pick. A name that resolves to nothing is an error that lists what
 exists.
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from connectors.base import Connector
+from kvplugin.connectors.base import Connector
 
 __all__ = [
     "BUILTINS",
@@ -42,8 +42,8 @@ ENTRY_POINT_GROUP = "kvplugin.connectors"
 Factory = Callable[..., Connector]
 
 BUILTINS: dict[str, str] = {
-    "memory": "connectors.memory:MemoryConnector",
-    "disk": "connectors.disk:DiskConnector",
+    "memory": "kvplugin.connectors.memory:MemoryConnector",
+    "disk": "kvplugin.connectors.disk:DiskConnector",
     "redis": "kvplugin.registry:redis_connector",
 }
 
@@ -56,13 +56,13 @@ class RegistryError(ValueError):
 
 def redis_connector(**options: Any) -> Connector:
     """The ``redis`` kind: a RedisConnector over ``RedisOptions(**options)``."""
-    from connectors.redis import RedisConnector, RedisOptions
+    from kvplugin.connectors.redis import RedisConnector, RedisOptions
 
     return RedisConnector(RedisOptions(**options))
 
 
 def _redis_signature() -> inspect.Signature:
-    from connectors.redis import RedisOptions
+    from kvplugin.connectors.redis import RedisOptions
 
     return inspect.signature(RedisOptions)
 
@@ -118,7 +118,7 @@ def _import(target: str, kind: str) -> Any:
         obj: Any = importlib.import_module(module)
     except Exception as e:  # missing, or broken: either way the kind does not resolve
         raise RegistryError(f"connector kind {kind!r}: cannot import {module!r}: "
-                            f"{type(e).__name__}: {e}") from None
+                            f"{type(e).__name__}: {e}{_renamed_hint(module)}") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -126,6 +126,15 @@ def _import(target: str, kind: str) -> Any:
             raise RegistryError(f"connector kind {kind!r}: module {module!r} has no "
                                 f"{attr!r}") from None
     return obj
+
+
+def _renamed_hint(module: str) -> str:
+    # kvplugin's connectors were a top-level ``connectors`` package before 0.1 shipped; a
+    # config written then names e.g. connectors.disk:DiskConnector (which, in an environment
+    # with PyPI's unrelated ``connectors``, would import that one instead).
+    if module == "connectors" or module.startswith("connectors."):
+        return f" (kvplugin's connectors are kvplugin.{module})"
+    return ""
 
 
 def resolve(kind: str) -> Factory:
@@ -185,5 +194,5 @@ def create(kind: str, options: Mapping[str, Any] | None = None) -> Connector:
         raise RegistryError(f"connector kind {kind!r} refused its options: {e}") from None
     if not isinstance(conn, Connector):
         raise RegistryError(f"connector kind {kind!r} built {type(conn).__name__}, not a "
-                            "connectors.base.Connector")
+                            "kvplugin.connectors.base.Connector")
     return conn

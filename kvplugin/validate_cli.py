@@ -65,9 +65,9 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 def _check_manager(cfg: KVPluginConfig, source: str) -> None:
     """Build the offload manager over the layout, on a throw-away memory tier (no real tier
     is built: validating must not create directories or connect anywhere)."""
-    from connectors.memory import MemoryConnector
     from kvplugin.aio.manager import AsyncKVManager
     from kvplugin.config import ConfigError
+    from kvplugin.connectors.memory import MemoryConnector
     from kvplugin.engine.layouts import build_core, engine_supports
     from kvplugin.plugin import offload_config
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from connectors.faults import LocalRedisServer
+from kvplugin.connectors.faults import LocalRedisServer
 
 __all__ = ["clean_env", "local_redis", "start_local_redis"]
 

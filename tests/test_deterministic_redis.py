@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from redis_fixture import local_redis, run_engine
 
-from connectors.faults import LocalRedisServer
+from kvplugin.connectors.faults import LocalRedisServer
 from kvplugin.engine.report import decided
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from connectors.disk import DiskConnector
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
 from kvplugin import registry
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, load_config, validate
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.engine.build import deployment, workload_tenancy
 from kvplugin.plugin import Plugin, load_plugin
 from kvplugin.registry import RegistryError
@@ -302,7 +302,7 @@ def test_conflicting_entry_points_are_an_error(monkeypatch: pytest.MonkeyPatch) 
 def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A package installed on sys.path: a dist-info with an entry point, and its module."""
     (tmp_path / "kvp_tinyconn.py").write_text(
-        "import dataclasses\nfrom connectors.memory import MemoryConnector\n\n"
+        "import dataclasses\nfrom kvplugin.connectors.memory import MemoryConnector\n\n"
         "class Conn(MemoryConnector):\n"
         "    def __init__(self, *, capacity_bytes: int) -> None:\n"
         "        super().__init__(capacity_bytes=capacity_bytes)\n"
@@ -338,7 +338,8 @@ def test_register_and_create_misuse() -> None:
         registry.register("memory", TinyConnector)
     with pytest.raises(RegistryError, match="has no ':'"):
         registry.register("a:b", TinyConnector)
-    with pytest.raises(RegistryError, match=r"built object, not a connectors\.base\.Connector"):
+    with pytest.raises(RegistryError, match=r"built object, not a kvplugin\.connectors\.base"
+                                            r"\.Connector"):
         registry.create(f"{MODULE}:not_a_connector")
     with pytest.raises(RegistryError, match=r"does not take these options \(got an unexpected "
                                             r"keyword argument 'size'\); it takes: capacity_kb, "
@@ -346,6 +347,10 @@ def test_register_and_create_misuse() -> None:
         registry.create(f"{MODULE}:TinyConnector", {"capacity_kb": 1, "size": 1})
     with pytest.raises(RegistryError, match="has no 'Nope'"):
         registry.resolve(f"{MODULE}:Nope")
+    with pytest.raises(RegistryError, match=r"cannot import 'connectors\.disk': "
+                                            r"ModuleNotFoundError: .*\(kvplugin's connectors "
+                                            r"are kvplugin\.connectors\.disk\)$"):
+        registry.resolve("connectors.disk:DiskConnector")
     with pytest.raises(RegistryError, match="it takes: url, prefix, ttl_seconds"):
         registry.create("redis", {"host": "x"})
     redis = registry.create("redis", {"url": "redis://127.0.0.1:1/0", "prefix": "t:"})

@@ -11,7 +11,7 @@ from typing import Any
 import redis as redis_py
 from redis_fixture import local_redis, run_engine
 
-from connectors.faults import LocalRedisServer
+from kvplugin.connectors.faults import LocalRedisServer
 
 __all__ = ["local_redis"]  # the fixture, imported for pytest
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from redis_fixture import clean_env, local_redis
 
-from connectors.faults import LocalRedisServer
+from kvplugin.connectors.faults import LocalRedisServer
 from kvplugin.engine.report import ledger_errors
 
 __all__ = ["local_redis"]  # the fixture, imported for pytest

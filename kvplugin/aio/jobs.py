@@ -20,9 +20,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.base import Connector, ConnectorError, Deadline, PutItem
-from connectors.keys import ObjectKey
 from kvplugin.aio.plans import ChunkLoad, StateLoad
+from kvplugin.connectors.base import Connector, ConnectorError, Deadline, PutItem
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.serde import Block
 
 __all__ = [

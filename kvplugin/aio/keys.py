@@ -27,8 +27,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from connectors.keys import Namespace, ObjectKey, layout_fingerprint
 from kvplugin.aio.memory import GroupShape, StateShape
+from kvplugin.connectors.keys import Namespace, ObjectKey, layout_fingerprint
 
 __all__ = ["GROUP_NAMESPACE_SALT", "GroupKeying", "KeyScope", "KeySpace"]
 

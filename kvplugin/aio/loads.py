@@ -14,8 +14,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from connectors.base import Connector
-from connectors.keys import ObjectKey
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_load
 from kvplugin.aio.jobs import start as start_job
@@ -29,6 +27,8 @@ from kvplugin.aio.values import (
     LoadStatus,
     Lookup,
 )
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.request import RequestStatus
 from kvplugin.serde import Block
 

@@ -55,7 +55,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.base import Connector, ConnectorStats, Deadline
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import (
     IOGate,
@@ -87,6 +86,7 @@ from kvplugin.aio.values import (
     ResidencyRecorder,
     StoreMode,
 )
+from kvplugin.connectors.base import Connector, ConnectorStats, Deadline
 from kvplugin.core.events import KVCacheEvent
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager

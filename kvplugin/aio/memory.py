@@ -226,7 +226,7 @@ class HostKVMemory:
     def copy_out_bytes(self, group: int, block_ids: Sequence[int]) -> bytes | Sealed:
         """The rows' bytes, copied once into an immutable buffer: what a store hands the
         tiers in copy mode. Being immutable, the memory tier keeps it as it is instead of
-        copying it again (see ``connectors.memory``). A big copy goes into a sealed slot of
+        copying it again (see ``kvplugin.connectors.memory``). A big copy goes into a sealed slot of
         the payload pool (memory already faulted in, reused once the tiers let go of it),
         a small one into a new ``bytes``."""
         ids = self._check_ids(group, block_ids)

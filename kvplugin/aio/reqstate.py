@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from connectors.keys import ObjectKey
 from kvplugin.aio.jobs import LoadJob, StoreJob
 from kvplugin.aio.keys import KeyScope, KeySpace
 from kvplugin.aio.ledger import RequestLedger
 from kvplugin.aio.values import LoadOutcome
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.request import Request
 
 __all__ = ["NO_HOLE", "ReqState"]

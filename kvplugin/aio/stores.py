@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from connectors.base import Connector, PutItem
-from connectors.keys import ObjectKey
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, StoreJob, run_store
 from kvplugin.aio.jobs import start as start_job
@@ -29,6 +27,8 @@ from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import NO_HOLE, ReqState
 from kvplugin.aio.tier_events import TierEventView, describe_chunk, describe_state
 from kvplugin.aio.values import LatencyRecorder, Lookup, OffloadConfig, OffloadStats, StoreMode
+from kvplugin.connectors.base import Connector, PutItem
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.serde import Block

@@ -3,7 +3,7 @@
 **Isolation.** Every request belongs to a tenant. On the device the tenant is the request's
 cache salt (:func:`device_salt`), which enters the first block's hash as vLLM's
 ``cache_salt`` does, so the hash chain of every block differs from any other tenant's; in
-the tiers every key lives in the tenant's namespace (:class:`~connectors.keys.Namespace`).
+the tiers every key lives in the tenant's namespace (:class:`~kvplugin.connectors.keys.Namespace`).
 Two tenants with identical prompts therefore never share a device block or a tier object.
 
 **Shared prefix groups.** A deployment may name a group of tenants that share a prefix (a
@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from connectors.keys import InvalidName, Namespace
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, StoreJob
 from kvplugin.aio.keys import KeyScope, KeySpace
@@ -66,6 +65,7 @@ from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Stores
 from kvplugin.aio.values import LoadStatus, OffloadConfig, OffloadStats
+from kvplugin.connectors.keys import InvalidName, Namespace
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.hashing import BlockHasher
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
@@ -92,7 +92,8 @@ _MARK = b"kvplugin/private-after-shared-prefix/v1"
 
 def device_salt(tenant: str, cache_salt: str | None = None) -> str:
     """The core cache salt of a tenant's request: tenant names never contain ``;``
-    (:class:`~connectors.keys.Namespace` checks), so no two (tenant, salt) pairs collide."""
+    (:class:`~kvplugin.connectors.keys.Namespace` checks), so no two (tenant, salt) pairs
+    collide."""
     return f"tenant={tenant}" if cache_salt is None else f"tenant={tenant};salt={cache_salt}"
 
 
@@ -102,7 +103,7 @@ def group_salt(group: str, cache_salt: str | None = None) -> str:
 
 
 def check_name(name: object, what: str = "tenant") -> str:
-    """``name`` if it is a valid tenant (or group) name, else connectors.keys' InvalidName."""
+    """``name`` if it is a valid tenant (or group) name, else InvalidName (connectors.keys)."""
     try:
         Namespace(name, *_PROBE)  # type: ignore[arg-type]  # a non-str is refused there
     except InvalidName as exc:

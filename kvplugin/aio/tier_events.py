@@ -1,6 +1,6 @@
 """KV-cache events of the offload tiers, for routers: which blocks each tier holds.
 
-The connectors tell what happened to storage ids (:mod:`connectors.events`); only the
+The connectors tell what happened to storage ids (:mod:`kvplugin.connectors.events`); only the
 manager knows what an id stands for, because it stored it: the block hashes, tokens and
 group of the chunk (or state). :class:`TierEventView` keeps that description for every
 object a store started, turns the tiers' events into vLLM's ``BlockStored`` /
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.events import TierEvent
+from kvplugin.connectors.events import TierEvent
 from kvplugin.core.blocks import external_block_hash
 from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 

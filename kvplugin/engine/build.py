@@ -8,10 +8,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from connectors.base import Connector
-from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.faults import FaultInjector
 from kvplugin.costs import ModelCost
 from kvplugin.engine.clock import RealClock, SimClock
 from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config

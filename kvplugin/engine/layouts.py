@@ -10,10 +10,10 @@ them byte for byte).
 
 from __future__ import annotations
 
-from connectors.memory import MemoryConnector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import OffloadConfig
 from kvplugin.config import GroupConfig, LayoutConfig, ModelConfig
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.hashing import HashContext
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.metrics import KVCacheMetricsCollector

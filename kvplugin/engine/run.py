@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from connectors.base import Connector, ConnectorStats, Health
-from connectors.faults import FaultInjector
-from connectors.tiered import TieredConnector
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.config import KVPluginConfig
+from kvplugin.connectors.base import Connector, ConnectorStats, Health
+from kvplugin.connectors.faults import FaultInjector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.loop import LagProbe, run, uvloop_available
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix

@@ -13,11 +13,11 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from connectors.base import Connector
-from connectors.keys import ObjectKey
 from kvplugin.aio import plans
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations._events import StoredObject
 
 __all__ = ["Piece", "claim_dropped", "layout_of", "load_pieces", "state_pieces", "tier_claim",

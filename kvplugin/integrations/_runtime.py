@@ -17,12 +17,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from connectors.base import Connector
-from connectors.events import TierEvent
-from connectors.faults import FaultInjector
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape
 from kvplugin.config import KVPluginConfig, load_config
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.events import TierEvent
+from kvplugin.connectors.faults import FaultInjector
 from kvplugin.engine.loop import LoopThread
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
 

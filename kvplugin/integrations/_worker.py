@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from connectors.keys import ObjectKey
 from kvplugin.aio.tier_events import TierEventView
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations import _events
 from kvplugin.integrations._groups import pages_out
 from kvplugin.integrations._stats import KVPluginStats

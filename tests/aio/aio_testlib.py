@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from connectors.base import Connector, ConnectorStats, Health, PutItem
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission, OffloadConfig
+from kvplugin.connectors.base import Connector, ConnectorStats, Health, PutItem
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import Request, RequestStatus
 from kvplugin.core.specs import (

@@ -46,10 +46,6 @@ from aio_testlib import (
     make_manager,
 )
 
-from connectors.base import Connector, ConnectorStats, Health, PutItem
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
 from kvplugin.aio import loads as loads_mod
 from kvplugin.aio import manager as manager_mod
 from kvplugin.aio import stores as stores_mod
@@ -57,6 +53,10 @@ from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, Priority, StoreJob
 from kvplugin.aio.jobs import start as real_start_job
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission, LoadStatus, StoreMode
+from kvplugin.connectors.base import Connector, ConnectorStats, Health, PutItem
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.core.request import Request, RequestStatus
 from kvplugin.serde import Block, Codec
 

@@ -19,10 +19,10 @@ from aio_testlib import (
     serve,
 )
 
-from connectors.memory import MemoryConnector
 from kvplugin.aio.jobs import IOGate, Priority
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import LoadStatus, StoreMode
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.request import RequestStatus
 
 PROMPT = list(range(100, 130))

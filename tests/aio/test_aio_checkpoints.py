@@ -21,10 +21,10 @@ from aio_testlib import (
     serve,
 )
 
-from connectors.faults import FaultInjector, FaultPlan
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
 from kvplugin.aio.values import Admission, LoadStatus, Lookup
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.request import Request, RequestStatus
 
 P30 = list(range(100, 130))

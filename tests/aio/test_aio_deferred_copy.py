@@ -11,11 +11,11 @@ import asyncio
 import pytest
 from aio_testlib import FakeModel, admit, all_blocks, free_blocks, make_manager, serve
 
-from connectors.memory import MemoryConnector
 from kvplugin.aio import memory as aio_memory
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import StoreMode
 from kvplugin.buffers import Sealed
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import RequestStatus
 

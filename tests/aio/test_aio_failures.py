@@ -20,10 +20,10 @@ from aio_testlib import (
     serve,
 )
 
-from connectors.faults import FaultInjector, FaultPlan
-from connectors.memory import MemoryConnector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import LoadFailurePolicy, LoadStatus
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.request import RequestStatus
 
 PROMPT = list(range(100, 130))  # 7 full blocks below the one-token cap

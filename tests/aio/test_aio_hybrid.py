@@ -14,9 +14,9 @@ from aio_testlib import (
     serve,
 )
 
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
 from kvplugin.aio.manager import AsyncKVManager
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.request import Request, RequestStatus
 
 P40 = list(range(100, 140))  # 40 tokens

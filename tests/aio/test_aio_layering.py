@@ -50,7 +50,7 @@ def test_core_and_connectors_never_name_the_async_layer() -> None:
 def test_core_and_connectors_never_load_the_async_layer() -> None:
     core = [f"kvplugin.core.{p.stem}" for p in (REPO / "kvplugin" / "core").glob("*.py")
             if p.stem != "__init__"]
-    conns = [f"connectors.{p.stem}" for p in (REPO / "connectors").glob("*.py")
+    conns = [f"kvplugin.connectors.{p.stem}" for p in (REPO / "connectors").glob("*.py")
              if p.stem != "__init__"]
     loaded = _loaded_after(*core, *conns)
     assert set(core) <= loaded and set(conns) <= loaded

@@ -8,10 +8,10 @@ from aio_testlib import BS, FakeModel, evict_device_cache, make_manager, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.memory import MemoryConnector
 from kvplugin.aio.ledger import RequestLedger, TokenLedger
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import LoadFailurePolicy, LoadStatus
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.request import RequestStatus
 
 PROMPT = list(range(100, 130))  # 30 tokens: a claim of 7 blocks (28) at most

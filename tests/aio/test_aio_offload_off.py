@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from aio_testlib import FakeModel, admit, clean, make_hybrid, make_manager, proceed
 
-from connectors.base import Capabilities, Connector, ConnectorStats, Health, PutItem
-from connectors.keys import ObjectKey
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.tenants import PrefixGroup, TenantPolicy, TenantQuota
 from kvplugin.aio.values import Lookup, OffloadStats
+from kvplugin.connectors.base import Capabilities, Connector, ConnectorStats, Health, PutItem
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import Request, RequestStatus
 from kvplugin.serde import Block

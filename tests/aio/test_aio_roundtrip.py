@@ -14,9 +14,9 @@ from aio_testlib import (
     serve,
 )
 
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
 from kvplugin.aio.values import LoadStatus, StoreMode
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 
 PROMPT = list(range(100, 130))  # 30 tokens: 7 full blocks of 4, a claim of 28 at most
 

@@ -14,12 +14,12 @@ from aio_testlib import (
     serve,
 )
 
-from connectors.keys import InvalidName
-from connectors.memory import MemoryConnector
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.manager import AsyncKVManager, device_salt
 from kvplugin.aio.memory import HostKVMemory, PageShape
 from kvplugin.aio.values import OffloadConfig
+from kvplugin.connectors.keys import InvalidName
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import Request
 from kvplugin.core.specs import (

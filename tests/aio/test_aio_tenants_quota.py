@@ -13,12 +13,12 @@ from aio_testlib import MIB, FakeModel, clean, evict_device_cache, layout, serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.keys import InvalidName
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.tenants import PrefixGroup, TenantPolicy, TenantQuota, TenantStats
 from kvplugin.aio.values import LoadStatus, OffloadConfig, OffloadStats
+from kvplugin.connectors.keys import InvalidName
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import Request, RequestStatus
 

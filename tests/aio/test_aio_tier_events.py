@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from connectors.events import TierEvent
 from kvplugin.aio.tier_events import (
     ObjectInfo,
     TierEventView,
@@ -10,6 +9,7 @@ from kvplugin.aio.tier_events import (
     describe_state,
     tier_medium,
 )
+from kvplugin.connectors.events import TierEvent
 from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 H = [bytes([i]) * 31 + bytes([i + 1]) for i in range(6)]  # 32-byte chained hashes

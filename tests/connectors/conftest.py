@@ -19,14 +19,14 @@ import pytest
 import pytest_asyncio
 from conn_testlib import Subject, redis_options
 
-from connectors.base import Connector
-from connectors.cluster_testing import LocalRedisCluster
-from connectors.disk import DiskConnector
-from connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
-from connectors.memory import MemoryConnector
-from connectors.redis import RedisConnector
-from connectors.redis_cluster import RedisClusterConnector, RedisClusterOptions
-from connectors.tiered import TieredConnector
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.cluster_testing import LocalRedisCluster
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.redis import RedisConnector
+from kvplugin.connectors.redis_cluster import RedisClusterConnector, RedisClusterOptions
+from kvplugin.connectors.tiered import TieredConnector
 
 MIB = 1 << 20
 FAULTY = FaultPlan(

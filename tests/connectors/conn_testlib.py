@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from connectors.base import Connector, ConnectorError, PutItem
-from connectors.keys import Namespace, ObjectKey
-from connectors.redis import RedisOptions
+from kvplugin.connectors.base import Connector, ConnectorError, PutItem
+from kvplugin.connectors.keys import Namespace, ObjectKey
+from kvplugin.connectors.redis import RedisOptions
 from kvplugin.serde import Block
 
 T = 5.0  # default deadline: generous, the tests never assert speed

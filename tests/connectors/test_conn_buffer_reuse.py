@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 from conn_testlib import T, make_block, namespace
 
-from connectors import disk as disk_mod
-from connectors.base import Connector, ConnectorError, PutItem
-from connectors.disk import DiskConnector
-from connectors.tiered import TieredConnector
+from kvplugin.connectors import disk as disk_mod
+from kvplugin.connectors.base import Connector, ConnectorError, PutItem
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio

@@ -9,13 +9,13 @@ import time
 import pytest
 from conn_testlib import T, make_items, namespace, redis_options, same
 
-from connectors import disk as disk_mod
-from connectors.base import ConnectorTimeout
-from connectors.disk import DiskConnector
-from connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
-from connectors.memory import MemoryConnector
-from connectors.redis import RedisConnector
-from connectors.tiered import TieredConnector
+from kvplugin.connectors import disk as disk_mod
+from kvplugin.connectors.base import ConnectorTimeout
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.redis import RedisConnector
+from kvplugin.connectors.tiered import TieredConnector
 
 pytestmark = pytest.mark.asyncio
 MIB = 1 << 20

@@ -19,11 +19,11 @@ import pytest
 from conn_testlib import T, chain, make_block, make_items, namespace, same
 from redis.crc import key_slot
 
-from connectors.base import BackendUnavailable, ConnectorError, PutItem
-from connectors.cluster_testing import LocalRedisCluster
-from connectors.keys import ObjectKey
-from connectors.redis import RedisConnector
-from connectors.redis_cluster import (
+from kvplugin.connectors.base import BackendUnavailable, ConnectorError, PutItem
+from kvplugin.connectors.cluster_testing import LocalRedisCluster
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.redis import RedisConnector
+from kvplugin.connectors.redis_cluster import (
     RedisClusterConnector,
     RedisClusterOptions,
     connector_from_url,

@@ -10,7 +10,7 @@ from typing import Any
 
 from redis_fixture import run_engine
 
-from connectors.cluster_testing import LocalRedisCluster
+from kvplugin.connectors.cluster_testing import LocalRedisCluster
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = "24"

@@ -15,8 +15,8 @@ import random
 import pytest
 from conn_testlib import Subject, T, chain, make_block, make_items, namespace, same
 
-from connectors.base import ConnectorClosed, ConnectorStats, Health
-from connectors.keys import Chunker
+from kvplugin.connectors.base import ConnectorClosed, ConnectorStats, Health
+from kvplugin.connectors.keys import Chunker
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio

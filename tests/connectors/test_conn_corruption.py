@@ -13,10 +13,10 @@ from collections.abc import Callable
 import pytest
 from conn_testlib import T, make_block, make_items, namespace, same
 
-from connectors.base import Connector, StoreBase
-from connectors.keys import ObjectKey
-from connectors.tiered import TieredConnector
 from kvplugin import serde
+from kvplugin.connectors.base import Connector, StoreBase
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.tiered import TieredConnector
 
 pytestmark = pytest.mark.asyncio
 DAMAGES = 1000  # of each: flips and truncations

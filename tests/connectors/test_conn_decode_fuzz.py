@@ -21,8 +21,8 @@ from conn_testlib import T, make_block, namespace, same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.base import Connector, StoreBase, decode_or_error
 from kvplugin import serde
+from kvplugin.connectors.base import Connector, StoreBase, decode_or_error
 from kvplugin.serde import Block, BlockFormatError, BlockMeta, Codec
 
 KEY = "ab" * 48
@@ -210,7 +210,7 @@ async def test_a_decoder_bug_is_a_counted_miss_not_a_poisoned_key(
     async with conn:
         assert await conn.put([(key, block)], timeout=T) == 1
         monkeypatch.setattr(serde, "decode", broken)
-        with caplog.at_level(logging.ERROR, logger="connectors.base"):
+        with caplog.at_level(logging.ERROR, logger="kvplugin.connectors.base"):
             assert await conn.get([key], timeout=T) == [None]
         assert "raised instead of rejecting" in caplog.text
         assert conn.stats().corrupt_detected == 1

@@ -16,11 +16,11 @@ import time
 import pytest
 from conn_testlib import T, chain, make_items, namespace, same
 
-from connectors import disk as disk_mod
-from connectors import diskio
-from connectors.base import BackendError, StorageFull, StoragePermissionError
-from connectors.disk import DirectoryInUse, DiskConnector
-from connectors.keys import ObjectKey
+from kvplugin.connectors import disk as disk_mod
+from kvplugin.connectors import diskio
+from kvplugin.connectors.base import BackendError, StorageFull, StoragePermissionError
+from kvplugin.connectors.disk import DirectoryInUse, DiskConnector
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.serde import Block, encode
 
 pytestmark = pytest.mark.asyncio
@@ -44,7 +44,7 @@ WRITER = textwrap.dedent(
     import asyncio, os, sys, time
     sys.path.insert(0, {tests!r})
     from conn_testlib import make_items, namespace
-    from connectors import disk
+    from kvplugin.connectors import disk
 
     def slow_write_all(fd, parts):  # a slow device: the kill lands mid-write
         for part in parts:
@@ -159,7 +159,7 @@ async def test_restart_rebuilds_the_index_and_cleans_temp_files(tmp_path: os.Pat
 HOLDER = textwrap.dedent(
     """
     import asyncio, sys
-    from connectors.disk import DirectoryInUse, DiskConnector
+    from kvplugin.connectors.disk import DirectoryInUse, DiskConnector
 
     async def main(root):
         conn = DiskConnector(root, capacity_bytes=1 << 20)

@@ -26,10 +26,10 @@ import pyarrow as pa
 import pytest
 from conn_testlib import T, make_items, namespace, same
 
-from connectors import disk as disk_mod
-from connectors import diskio
-from connectors.base import PutItem
-from connectors.disk import DirectoryInUse, DiskConnector
+from kvplugin.connectors import disk as disk_mod
+from kvplugin.connectors import diskio
+from kvplugin.connectors.base import PutItem
+from kvplugin.connectors.disk import DirectoryInUse, DiskConnector
 from kvplugin.serde import encode
 
 pytestmark = pytest.mark.asyncio
@@ -394,7 +394,7 @@ async def test_removing_the_lock_file_does_not_let_a_second_connector_in(
 
 HOLDER = """
 import asyncio, sys
-from connectors.disk import DiskConnector
+from kvplugin.connectors.disk import DiskConnector
 
 async def main(root):
     conn = DiskConnector(root, capacity_bytes=1 << 20)

@@ -21,12 +21,12 @@ from conn_testlib import make_block, namespace, redis_options, unique_tenant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.base import ConnectorError, PutItem
-from connectors.disk import SUFFIX, DiskConnector
-from connectors.faults import LocalRedisServer
-from connectors.memory import MemoryConnector
-from connectors.redis import RedisConnector
-from connectors.tiered import TieredConnector
+from kvplugin.connectors.base import ConnectorError, PutItem
+from kvplugin.connectors.disk import SUFFIX, DiskConnector
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.redis import RedisConnector
+from kvplugin.connectors.tiered import TieredConnector
 
 SIZES = [3000 + 700 * i for i in range(8)]  # distinct sizes: a wrong size shows
 T = 5.0

@@ -15,13 +15,13 @@ from collections import defaultdict
 import pytest
 from conn_testlib import T, make_items, namespace, redis_options, unique_tenant
 
-from connectors.base import Connector, PutItem
-from connectors.disk import DiskConnector
-from connectors.events import EventLog, TierEvent
-from connectors.faults import LocalRedisServer
-from connectors.memory import MemoryConnector
-from connectors.redis import RedisConnector
-from connectors.tiered import TieredConnector
+from kvplugin.connectors.base import Connector, PutItem
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.events import EventLog, TierEvent
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.redis import RedisConnector
+from kvplugin.connectors.tiered import TieredConnector
 
 pytestmark = pytest.mark.asyncio
 KIB = 1024

@@ -10,9 +10,9 @@ import time
 import pytest
 from conn_testlib import T, make_items, namespace, same
 
-from connectors.base import CircuitBreaker, ConnectorTimeout
-from connectors.faults import FaultInjector, FaultPlan, InjectedFault
-from connectors.memory import MemoryConnector
+from kvplugin.connectors.base import CircuitBreaker, ConnectorTimeout
+from kvplugin.connectors.faults import FaultInjector, FaultPlan, InjectedFault
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio

@@ -10,7 +10,8 @@ import sys
 import pytest
 from conn_testlib import chain, make_block
 
-from connectors.keys import (
+from kvplugin import serde
+from kvplugin.connectors.keys import (
     Chunker,
     InvalidName,
     Namespace,
@@ -18,7 +19,6 @@ from connectors.keys import (
     check_id,
     layout_fingerprint,
 )
-from kvplugin import serde
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEX96 = re.compile(r"[0-9a-f]{96}")
@@ -50,7 +50,7 @@ def test_keys_are_a_pure_function_of_their_inputs() -> None:
 
 def test_keys_agree_across_processes_with_different_hash_seeds() -> None:
     code = (
-        "from connectors.keys import Namespace;"
+        "from kvplugin.connectors.keys import Namespace;"
         "n = Namespace('tenant-a', 'org/model-7b', '0123456789abcdef', group=2, salt='s3cret');"
         "print(n.key(bytes(range(32))).id)"
     )

@@ -21,14 +21,14 @@ from conn_forge import forge_doc, meta_doc
 from conn_testlib import T, make_block, make_items, namespace, redis_options, same
 from test_conn_serde import GOLDEN, golden_inputs
 
-from connectors.base import Connector, StoreBase, common_codec
-from connectors.disk import DiskConnector
-from connectors.faults import FaultInjector, FaultPlan
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
-from connectors.redis import RedisConnector
-from connectors.tiered import TieredConnector
 from kvplugin import serde
+from kvplugin.connectors.base import Connector, StoreBase, common_codec
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.redis import RedisConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.serde import Codec
 from kvplugin.serde_mac import FLAG_MAC
 

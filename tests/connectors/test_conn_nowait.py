@@ -12,9 +12,9 @@ import time
 import pytest
 from conn_testlib import T, make_items, namespace, same
 
-from connectors.base import PutItem
-from connectors.disk import DiskConnector
-from connectors.nowait import NoWaitReader
+from kvplugin.connectors.base import PutItem
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.nowait import NoWaitReader
 
 KIB = 1024
 

@@ -19,9 +19,9 @@ import pytest
 import redis.asyncio as aioredis
 from conn_testlib import T, make_items, namespace, redis_options, same
 
-from connectors.base import ConnectorError, ConnectorTimeout, StorageFull
-from connectors.faults import LocalRedisServer
-from connectors.redis import RedisConnector, RedisOptions
+from kvplugin.connectors.base import ConnectorError, ConnectorTimeout, StorageFull
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.redis import RedisConnector, RedisOptions
 
 pytestmark = pytest.mark.asyncio
 R = TypeVar("R")
@@ -163,7 +163,7 @@ CHILD = textwrap.dedent(
     import asyncio, sys
     sys.path.insert(0, {tests!r})
     from conn_testlib import make_items, namespace, same
-    from connectors.redis import RedisConnector, RedisOptions
+    from kvplugin.connectors.redis import RedisConnector, RedisOptions
 
     async def main(mode, tenant, seed):
         items = make_items(namespace(tenant), 8, nbytes=3000, seed=seed)

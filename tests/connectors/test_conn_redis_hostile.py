@@ -23,15 +23,15 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from conn_testlib import T, make_items, namespace, redis_options, same
 
-from connectors.base import (
+from kvplugin import serde
+from kvplugin.connectors.base import (
     BackendError,
     ConnectorError,
     ConnectorTimeout,
     StoragePermissionError,
 )
-from connectors.faults import LocalRedisServer
-from connectors.redis import RedisConnector, RedisOptions
-from kvplugin import serde
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.redis import RedisConnector, RedisOptions
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_conn_redis_hostile import FakeRedis
 
-from connectors.base import ConnectorError, Health
-from connectors.faults import LocalRedisServer
-from connectors.redis import RedisConnector
 from kvplugin import serde
+from kvplugin.connectors.base import ConnectorError, Health
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.redis import RedisConnector
 
 DEADLINE = 0.3
 SLACK = 0.3  # scheduling noise on a loaded 2-core CI machine, not time the connector may take

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from conn_testlib import T, make_block, namespace
 
-from connectors.memory import MemoryConnector
 from kvplugin import serde
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.serde import BlockFormatError, SplitObject, decode, encode, split_if_immutable
 
 NS = namespace()

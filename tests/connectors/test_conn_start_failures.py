@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from conn_testlib import T, make_items, namespace, redis_options, same
 
-from connectors.base import BackendUnavailable, ConnectorError, StorageFull
-from connectors.disk import DirectoryInUse, DiskConnector
-from connectors.faults import LocalRedisServer
-from connectors.redis import RedisConnector
+from kvplugin.connectors.base import BackendUnavailable, ConnectorError, StorageFull
+from kvplugin.connectors.disk import DirectoryInUse, DiskConnector
+from kvplugin.connectors.faults import LocalRedisServer
+from kvplugin.connectors.redis import RedisConnector
 
 MIB = 1 << 20
 pytestmark = pytest.mark.asyncio

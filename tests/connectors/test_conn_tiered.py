@@ -10,11 +10,11 @@ import pytest
 from conn_testlib import T, chain, make_items, namespace, same
 from test_conn_tiered_delete import Gated
 
-from connectors.base import BackendUnavailable
-from connectors.disk import DiskConnector
-from connectors.faults import FaultInjector, FaultPlan
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
+from kvplugin.connectors.base import BackendUnavailable
+from kvplugin.connectors.disk import DiskConnector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio
@@ -310,7 +310,7 @@ async def test_a_promotion_failing_with_a_bug_is_logged(caplog: pytest.LogCaptur
     async with tiered:
         await low.inner.put(items, timeout=T)
         top.fail("put", RuntimeError("a bug"))
-        with caplog.at_level(logging.ERROR, logger="connectors.tiered"):
+        with caplog.at_level(logging.ERROR, logger="kvplugin.connectors.tiered"):
             await tiered.get([items[0][0]], timeout=T)
             await tiered.drain()
         assert "promotion to top raised" in caplog.text and "a bug" in caplog.text

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import pytest
 from conn_testlib import T, make_items, namespace, same
 
-from connectors.base import Connector, ConnectorStats, ConnectorTimeout, Health, PutItem
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
-from connectors.tiered import TieredConnector
+from kvplugin.connectors.base import Connector, ConnectorStats, ConnectorTimeout, Health, PutItem
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
+from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.serde import Block
 
 pytestmark = pytest.mark.asyncio

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conn_testlib import T, make_block, namespace
 
-from connectors.memory import MemoryConnector
 from kvplugin import serde
 from kvplugin.buffers import _SLAB_BYTES, MIN_POOLED_BYTES, PayloadPool, Sealed
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.serde import SplitObject, decode, encode, split_if_immutable
 
 NS = namespace()

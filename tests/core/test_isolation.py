@@ -22,7 +22,7 @@ CONNECTORS_DIR = REPO_ROOT / "connectors"
 # Roots of modules the core must never load (async runtime, sockets/TLS, file/network
 # I/O libraries, array libraries, the connector layer, the async layer above it).
 FORBIDDEN = ("asyncio", "socket", "_socket", "ssl", "_ssl", "selectors", "aiofiles", "redis",
-             "pyarrow", "numpy", "connectors", "uvloop", "http", "urllib.request",
+             "pyarrow", "numpy", "kvplugin.connectors", "uvloop", "http", "urllib.request",
              "kvplugin.aio")
 
 PROBE = """
@@ -98,7 +98,7 @@ def test_connectors_never_import_the_core() -> None:
             bad = [m for m in mods if m == "kvplugin.core" or m.startswith("kvplugin.core.")]
             assert not bad, f"{path.relative_to(REPO_ROOT)}:{node.lineno} imports {bad}"
     # ... and dynamically: importing every connector module loads none of it.
-    names = ["connectors", *_modules_under(CONNECTORS_DIR, "connectors")]
+    names = ["kvplugin.connectors", *_modules_under(CONNECTORS_DIR, "kvplugin.connectors")]
     modules = _import_fresh(names)["modules"]
     assert isinstance(modules, list)
     assert not _loaded(modules, "kvplugin.core"), _loaded(modules, "kvplugin.core")

@@ -8,9 +8,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from connectors.base import Connector, ConnectorStats, Health, PutItem
-from connectors.keys import ObjectKey
 from kvplugin.config import KVPluginConfig, validate
+from kvplugin.connectors.base import Connector, ConnectorStats, Health, PutItem
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.engine.build import Deployment
 from kvplugin.engine.model import Work
 from kvplugin.engine.scheduler import Engine, Result

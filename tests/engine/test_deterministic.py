@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from engine_testlib import GatedReads, small_config
 
-from connectors.base import Connector, PutItem
-from connectors.keys import ObjectKey
+from kvplugin.connectors.base import Connector, PutItem
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.engine.clock import SimClock
 from kvplugin.engine.report import decided
 from kvplugin.engine.run import serve

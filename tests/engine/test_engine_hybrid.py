@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from engine_testlib import small_config
 
-from connectors.base import Connector
-from connectors.faults import FaultInjector, FaultPlan
 from kvplugin.aio.memory import HostKVMemory, PageShape, StateShape
 from kvplugin.config import KVPluginConfig
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
 from kvplugin.engine.build import TierWrapper, deployment
 from kvplugin.engine.model import FakeModel, Work
 from kvplugin.engine.report import RunReport

@@ -11,9 +11,9 @@ import sys
 import pytest
 from engine_testlib import all_blocks, free_blocks, serve_all, small_config
 
-from connectors.base import Connector
-from connectors.faults import FaultInjector, FaultPlan
 from kvplugin.config import load_config
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
 from kvplugin.engine.build import deployment
 from kvplugin.engine.report import CONTRACT_KEYS, ledger_errors
 from kvplugin.engine.run import serve

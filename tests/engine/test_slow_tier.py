@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from engine_testlib import serve_all, small_config
 
-from connectors.base import Connector
-from connectors.faults import FaultInjector, FaultPlan
+from kvplugin.connectors.base import Connector
+from kvplugin.connectors.faults import FaultInjector, FaultPlan
 from kvplugin.engine.build import deployment
 
 PROMPT = list(range(1, 257))  # 256 tokens: ~9 ms to compute on the preset, ~2 ms to load

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from side_venv import side_python
 
-from connectors.faults import LocalRedisServer
+from kvplugin.connectors.faults import LocalRedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_engine_scenarios.py")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from connectors.keys import ObjectKey
-from connectors.memory import MemoryConnector
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape, PageShape, StateShape
+from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.integrations._hits import (
     claim_dropped,
     layout_of,

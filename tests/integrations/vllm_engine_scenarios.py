@@ -194,7 +194,7 @@ def model_scenario(workdir: Path, kind: str) -> dict[str, Any]:
 
 
 def redis_scenario(workdir: Path) -> dict[str, Any]:
-    from connectors.faults import LocalRedisServer
+    from kvplugin.connectors.faults import LocalRedisServer
 
     model = workdir / "model-llama-redis"
     make_model("llama", model)

@@ -643,7 +643,7 @@ def native_scenario(workdir: str, name: str) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     import json
 
-    from connectors.faults import LocalRedisServer
+    from kvplugin.connectors.faults import LocalRedisServer
 
     with tempfile.TemporaryDirectory(prefix="kvplugin-vllm-") as workdir:
         server = None

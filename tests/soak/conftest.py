@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from connectors.faults import LocalRedisServer
+from kvplugin.connectors.faults import LocalRedisServer
 
 _HERE = Path(__file__).resolve().parent
 for _dir in (_HERE, _HERE.parent / "aio"):

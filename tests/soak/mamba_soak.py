@@ -20,10 +20,10 @@ from typing import Any
 
 from aio_testlib import FakeModel, make_hybrid
 
-from connectors.faults import FaultInjector
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission
 from kvplugin.config import FaultsConfig, OffloadConfigSection, WorkloadConfig
+from kvplugin.connectors.faults import FaultInjector
 from kvplugin.core.request import Request, RequestStatus
 from kvplugin.engine.build import build_connector, fault_wrapper
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate

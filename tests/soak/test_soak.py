@@ -20,8 +20,8 @@ from types import ModuleType
 import pytest
 from mamba_soak import MambaSoak, mamba_manager, specs_for
 
-from connectors.faults import FaultInjector, LocalRedisServer
 from kvplugin.config import FaultsConfig, validate
+from kvplugin.connectors.faults import FaultInjector, LocalRedisServer
 from kvplugin.engine.build import deployment
 
 FAULT_RATE = 0.1
