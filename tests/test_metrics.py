@@ -39,7 +39,11 @@ REPO = Path(__file__).resolve().parent.parent
 DOC: dict[str, Any] = {
     "layout": {"block_size": 4, "num_blocks": 40, "max_model_len": 512},
     "model": {"num_layers": 2, "num_kv_heads": 1, "head_size": 8},
-    "offload": {"chunk_size": 4, "max_local_cpu_size": 0.00007, "local_disk": "temp://"},
+    # A lookup timeout no loaded machine reaches: a timed-out lookup (50 ms by default) is a
+    # miss, and on a busy CI machine that changed which objects were loaded (once no
+    # corrupt one was).
+    "offload": {"chunk_size": 4, "max_local_cpu_size": 0.00007, "local_disk": "temp://",
+                "lookup_timeout_ms": 10000.0},
     "engine": {"prefill_token_ms": 0.0, "decode_step_ms": 0.0},
     "limits": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
     "faults": {"rate": 0.05, "kinds": ["corrupt"], "seed": 3},
