@@ -197,13 +197,13 @@ class Snapshot:
 
 def snapshot(mgr: AsyncKVManager, labels: Sequence[str]) -> Snapshot:
     """Copy the manager's state (call on its loop). ``labels``: one per tier level."""
-    pool = mgr.core.block_pool
+    view = mgr.core.offload_view()
     return Snapshot(
         offload=mgr.offload, stats=mgr.stats(), tenants=mgr.tenant_stats(),
         ledger=mgr.ledger.per_tenant(),
         latency=mgr.latency(), residency=mgr.residency(), tier_stats=mgr.tier_stats(),
         tier_labels=dict(zip(mgr.tiers, labels, strict=True)), level_labels=list(labels),
-        free_blocks=pool.get_num_free_blocks(), total_blocks=pool.num_gpu_blocks - 1,
+        free_blocks=view.num_free_blocks(), total_blocks=view.num_usable_blocks,
         held_blocks=mgr.num_held_blocks, jobs=mgr.pending_jobs(),
         store_bytes_in_flight=mgr.store_bytes_in_flight)
 

@@ -130,8 +130,7 @@ def _layout(core: KVCacheManager, shapes: Sequence[GroupShape], chunk_blocks: in
             ) -> plans.Layout:
     # A state boundary must be one the core can hit: the hash unit when sub-block
     # (partial) hits are on, else the scheduler block.
-    hbs = core.block_pool.hash_block_size
-    unit = hbs if core.enable_partial_hash_hits else core.coordinator.scheduler_block_size
+    unit = core.offload_view().lookup_unit
     has_state = any(s.kind == "state" for s in shapes)
     return plans.Layout(tuple(s.block_size for s in shapes), chunk_blocks,
                         tuple(s.kind for s in shapes), tuple(s.window_tokens for s in shapes),
@@ -153,7 +152,7 @@ class AsyncKVManager:
             memory = HostKVMemory(kv_config.num_blocks, shapes)
         elif memory.num_blocks != kv_config.num_blocks or list(memory.shapes) != shapes:
             raise ValueError("host memory does not match the core's blocks and groups")
-        hbs = core.block_pool.hash_block_size
+        hbs = core.offload_view().hash_block_size
         has_state = any(s.kind == "state" for s in shapes)
         if has_state and core.use_eagle:
             raise ValueError("EAGLE block drop is not supported with Mamba offload")
@@ -396,7 +395,7 @@ class AsyncKVManager:
     def _split(self, req: Request, start: int, n: int) -> int:
         if not self.layout.state_groups:
             return n
-        partial = self.core.enable_partial_hash_hits
+        partial = self.core.offload_view().partial_hash_hits
         return plans.mamba_split(
             start, n, num_prompt_tokens=req.num_prompt_tokens, num_tokens=req.num_tokens,
             block_size=self.layout.block_sizes[self.layout.state_groups[0]],

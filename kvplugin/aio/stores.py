@@ -31,6 +31,7 @@ from kvplugin.connectors.base import Connector, PutItem
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.manager import KVCacheManager
+from kvplugin.core.view import ReuseWatch
 from kvplugin.serde import Block
 
 if TYPE_CHECKING:
@@ -93,24 +94,21 @@ class CopyWatch:
 
     def __init__(self, core: KVCacheManager, memory: HostKVMemory,
                  stats: OffloadStats) -> None:
-        self._pool = core.block_pool
+        self._view = core.offload_view()
         self._memory = memory
         self._stats = stats
-        self._by_block: dict[int, list[_PendingCopy]] = {}
+        # One reuse watch per pending copy: its own, so discarding it ends only its
+        # interest (another subscriber's watch on the same blocks stays).
+        self._watches: dict[_PendingCopy, ReuseWatch] = {}
 
     def add(self, pc: _PendingCopy) -> None:
-        blocks = self._pool.blocks
-        for _, _, ids in pc.copies:
-            for b in ids:
-                self._by_block.setdefault(b, []).append(pc)
-        self._pool.watch_reuse([blocks[b] for _, _, ids in pc.copies for b in ids],
-                               self._reused)
+        ids = [b for _, _, block_ids in pc.copies for b in block_ids]
+        self._watches[pc] = self._view.watch_reuse(ids, lambda _block: self._reused(pc))
 
-    def _reused(self, block: KVCacheBlock) -> None:
-        for pc in self._by_block.pop(block.block_id, ()):
-            if not pc.done:
-                self._stats.copies_on_reuse += 1
-                self.run(pc)
+    def _reused(self, pc: _PendingCopy) -> None:
+        if not pc.done:
+            self._stats.copies_on_reuse += 1
+            self.run(pc)
 
     def run(self, pc: _PendingCopy) -> None:
         """Every copy left, now (a block is about to be reused)."""
@@ -139,13 +137,9 @@ class CopyWatch:
     def discard(self, pc: _PendingCopy) -> None:
         """Done with (copied, or its job ended first): the hook forgets it."""
         pc.done = True
-        for _, _, ids in pc.copies:
-            for b in ids:
-                waiting = self._by_block.get(b)
-                if waiting is not None and pc in waiting:
-                    waiting.remove(pc)
-                    if not waiting:
-                        del self._by_block[b]
+        watch = self._watches.pop(pc, None)
+        if watch is not None:
+            watch.cancel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +299,7 @@ class Stores(JobSide):
         boundary: a block evicted and reused since the offer holds someone else's bytes."""
         digest = st.req.block_hashes[offer.boundary // self._hbs - 1]
         key = digest + offer.group.to_bytes(4, "big")
-        return self._core.block_pool.cached_block_hash_to_block.contain(key, offer.block_id)
+        return self._core.offload_view().caches(offer.block_id, key)
 
     # ------------------------------------------------------------------ jobs
     def _start(self, st: ReqState, take: list[_Candidate], num_states: int) -> None:

@@ -379,6 +379,7 @@ class _CachedBlocks:
     def __init__(self, core: KVCacheManager, layout: plans.Layout,
                  quotas: dict[str, int]) -> None:
         self._core = core
+        self._view = core.offload_view()
         self._layout = layout
         self.quotas = quotas  # domain -> max cached blocks
         self._owner: dict[int, str] = {}
@@ -407,7 +408,7 @@ class _CachedBlocks:
     def cached(self, domain: str) -> set[int]:
         """The domain's free-but-cached blocks (forgetting those no longer its own)."""
         owned = self._owned.get(domain, {})
-        blocks = self._core.block_pool.blocks
+        blocks = self._view.blocks
         live: set[int] = set()
         for bid, key in list(owned.items()):
             b = blocks[bid]
@@ -427,12 +428,7 @@ class _CachedBlocks:
         excess = len(live) - quota
         if excess <= 0:
             return 0
-        victims: list[int] = []
-        for block in self._core.block_pool.free_block_queue:
-            if block.block_id in live:
-                victims.append(block.block_id)
-                if len(victims) == excess:
-                    break
+        victims = self._view.next_evicted(live, excess)
         self._core.evict_blocks(set(victims))
         owned = self._owned[domain]
         for bid in victims:
@@ -577,7 +573,7 @@ class Tenants:
         core = self._core
         waiting = st.req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         wm = core.watermark_blocks if has_scheduled and waiting else 0
-        return max(reserved, core.block_pool.get_num_free_blocks() - headroom - wm)
+        return max(reserved, core.offload_view().num_free_blocks() - headroom - wm)
 
     def refused(self, st: ReqState, reserved: int, asked: int) -> None:
         """An admission returned None; when the quota was the tighter limit, count it."""

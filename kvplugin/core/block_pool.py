@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvplugin.core.blocks import (
@@ -108,6 +109,53 @@ class BlockHashToBlockMap:
         return len(self._cache)
 
 
+ReuseCallback = Callable[[KVCacheBlock], None]
+
+
+@dataclass(slots=True, eq=False)
+class ReuseWatch:
+    """One subscriber's interest in the next reuse of some blocks (kvplugin's, not vLLM's).
+
+    ``on_reuse(block)`` runs once per block in :attr:`pending`, when the pool next hands
+    that block out (or on a prefix-cache reset); the block then leaves ``pending``.
+    :meth:`cancel` ends the interest in the blocks left. Several watches may cover one
+    block: each is called, in the order they were made, and none replaces another.
+    Compared by identity (``eq=False``): a watch is a handle, not a value.
+    """
+
+    on_reuse: ReuseCallback
+    # The pool's table (block id -> watches), shared, so cancel needs no pool reference.
+    _table: dict[int, list[ReuseWatch]] = field(repr=False)
+    pending: set[int] = field(default_factory=set)  # block ids not reused yet
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending)
+
+    def cancel(self) -> None:
+        """Stop watching every block not reused yet; a no-op once nothing is pending."""
+        table = self._table
+        for bid in self.pending:
+            watches = table.get(bid)
+            # Not listed: ``bid``'s reuse is being notified now (its list was popped; a
+            # callback may have started a new one), and this watch is skipped there.
+            if watches is not None and self in watches:
+                watches.remove(self)
+                if not watches:
+                    del table[bid]
+        self.pending.clear()
+
+    def _add(self, block_id: int) -> None:
+        if block_id in self.pending:
+            return  # listed twice: still one call per reuse
+        self.pending.add(block_id)
+        watches = self._table.get(block_id)
+        if watches is None:
+            self._table[block_id] = [self]
+        else:
+            watches.append(self)
+
+
 class BlockPool:
     """Owns every block of one device pool; block 0 is the null block."""
 
@@ -136,7 +184,8 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
-        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        # block id -> the watches on its next reuse, oldest first (see ReuseWatch)
+        self._reuse_watchers: dict[int, list[ReuseWatch]] = {}
         # Optional residency metrics (set by KVCacheManager); None keeps the hot paths bare.
         self.metrics_collector: KVCacheMetricsCollector | None = None
 
@@ -453,37 +502,62 @@ class BlockPool:
             self.free_block_queue.append_n(last)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
-                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
-        """Release refs of blocks still being read until reused: tail of the queue."""
+                     on_reuse: ReuseCallback) -> ReuseWatch:
+        """Release refs of blocks still being read until reused: tail of the queue.
+
+        ``on_reuse`` is called when a block is handed out again (or on reset). vLLM keeps
+        one callback per block and a second unpin replaces it; its caller (HiSparse)
+        re-unpins a block with the *same* callback and expects one call per reuse. Here a
+        block already watched by an equal callback stays with that watch, and any other
+        block's or subscriber's watch is kept, never replaced: the returned watch covers
+        the blocks it added."""
         blocks = list(blocks)
         for block in blocks:  # checked first: a misuse changes nothing
             if block.is_null or block.ref_cnt <= 0:
                 raise ValueError(f"unpin of block {block.block_id} with ref count {block.ref_cnt}")
+        watch = ReuseWatch(on_reuse, self._reuse_watchers)
         released = []
         for block in blocks:
             block.ref_cnt -= 1
-            self._reuse_watchers[block.block_id] = on_reuse
+            if not self._watched_by(block.block_id, on_reuse):
+                watch._add(block.block_id)
             if block.ref_cnt == 0:
                 released.append(block)
         self.free_block_queue.append_n(released)
+        return watch
+
+    def _watched_by(self, block_id: int, on_reuse: ReuseCallback) -> bool:
+        # ``==``, not ``is``: a bound method is a new object at every attribute access.
+        return any(w.on_reuse == on_reuse for w in self._reuse_watchers.get(block_id, ()))
 
     def watch_reuse(self, blocks: Iterable[KVCacheBlock],
-                    on_reuse: Callable[[KVCacheBlock], None]) -> None:
+                    on_reuse: ReuseCallback) -> ReuseWatch:
         """Call ``on_reuse(block)`` when ``get_new_blocks`` next hands a block out (before
         its new owner can write it) or on reset; refs are untouched. kvplugin's own hook
         (not in vLLM): a store copies a block out lazily and must copy it before reuse.
-        Like :meth:`unpin_blocks`, one watcher per block: a new one replaces the old."""
+        Every call is its own subscription: the returned watch cancels only itself."""
         blocks = list(blocks)
         if any(block.is_null for block in blocks):  # checked first: a misuse changes nothing
             raise ValueError("the null block is never handed out: nothing to watch")
+        watch = ReuseWatch(on_reuse, self._reuse_watchers)
         for block in blocks:
-            self._reuse_watchers[block.block_id] = on_reuse
+            watch._add(block.block_id)
+        return watch
 
     def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        table = self._reuse_watchers
         for block in blocks:
-            watcher = self._reuse_watchers.pop(block.block_id, None)
-            if watcher is not None:
-                watcher(block)
+            watches = table.pop(block.block_id, None)
+            if watches is None:
+                continue
+            bid = block.block_id
+            # Popped first: a callback that watches this block again watches its next
+            # reuse; one that cancels a later watch here took ``bid`` out of its pending.
+            for watch in watches:
+                pending = watch.pending
+                if bid in pending:
+                    pending.remove(bid)
+                    watch.on_reuse(block)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cache identity of blocks (ref counts and queue position unchanged)."""

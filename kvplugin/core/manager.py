@@ -31,6 +31,7 @@ from kvplugin.core.specs import (
     get_kv_cache_spec_sliding_window,
 )
 from kvplugin.core.stats import PrefixCacheStats
+from kvplugin.core.view import OffloadView
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,13 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(
             self.num_kv_cache_groups)))
+        self._offload_view = OffloadView.of(self)
 
     # ------------------------------------------------------------------ small members
+    def offload_view(self) -> OffloadView:
+        """The offload layer's narrow view of this manager (one, built once)."""
+        return self._offload_view
+
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()

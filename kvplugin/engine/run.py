@@ -194,7 +194,7 @@ def _labels(dep: Deployment) -> dict[str, str]:
 def max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
     """Long enough for the workload, short enough that any request fits the pool and the
     model with its answer (the engine refuses requests that could never run)."""
-    pool_tokens = (dep.mgr.core.block_pool.num_gpu_blocks - 1) * cfg.layout.block_size
+    pool_tokens = dep.mgr.core.offload_view().num_usable_blocks * cfg.layout.block_size
     pool_tokens //= max(1, len(cfg.layout.groups))
     cap = min(cfg.layout.max_model_len, pool_tokens // 2)
     return max(2, cap - cfg.workload.output_len[1])
@@ -206,7 +206,7 @@ def report(dep: Deployment, served: Served, wall: float,
     its requests; count leaks after its manager closed)."""
     es, model = dep.engine.stats, dep.model
     ms = dep.mgr.stats()
-    pool = dep.mgr.core.block_pool
+    pool = dep.mgr.core.offload_view()
     labels = _labels(dep)
     ttft, steps = served.ttft_ms, es.step_s
     books = dep.mgr.ledger.totals()
@@ -218,7 +218,7 @@ def report(dep: Deployment, served: Served, wall: float,
         load_failures=ms.loads_failed + ms.loads_cancelled,
         stores=ms.stored_chunks, stores_shed=ms.stores_shed,
         kv_mismatches=model.kv_mismatches, cross_tenant_hits=model.cross_tenant_hits,
-        leaked_blocks=(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        leaked_blocks=(pool.num_usable_blocks - pool.num_free_blocks())
         + dep.mgr.num_pending_jobs,
         loop_lag_p99_ms=probe.percentile(99) * 1000 if probe else 0.0, wall_s=wall,
         per_tenant=tenant_rows(dep, served))
@@ -246,7 +246,7 @@ def report(dep: Deployment, served: Served, wall: float,
         ttft_p50_ms=round(ttft.percentile(50), 2), ttft_p99_ms=round(ttft.percentile(99), 2),
         step_ms_p50=round(steps.percentile(50) * 1000, 3),
         step_ms_p99=round(steps.percentile(99) * 1000, 3),
-        pool_blocks=pool.num_gpu_blocks - 1)
+        pool_blocks=pool.num_usable_blocks)
     return out
 
 

@@ -167,7 +167,7 @@ class Engine:
         self._watchers: set[asyncio.Task[None]] = set()
         self._checks: list[tuple[EngineRequest, int, int]] = []
         self._stopping = False
-        pool = mgr.core.block_pool.num_gpu_blocks - 1
+        pool = mgr.core.offload_view().num_usable_blocks
         self._pool_blocks = pool
         self._block_sizes = [s.block_size for s in mgr.memory.shapes]
         self._state_block_sizes = [s.block_size for s in mgr.memory.shapes

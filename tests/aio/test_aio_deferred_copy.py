@@ -26,7 +26,8 @@ def _clean(mgr: AsyncKVManager) -> None:
     assert free_blocks(mgr) == all_blocks(mgr)
     assert mgr.num_pending_jobs == 0 and mgr.num_held_blocks == 0
     assert mgr.store_bytes_in_flight == 0
-    assert not mgr._stores.copies._by_block  # type: ignore[union-attr]  # nothing watched
+    assert not mgr._stores.copies._watches  # type: ignore[union-attr]  # nothing watched
+    assert not mgr.core.block_pool._reuse_watchers  # and the core holds no watch
 
 
 async def _reload_and_check(mgr: AsyncKVManager, model: FakeModel, rid: str) -> int:
@@ -118,9 +119,10 @@ async def test_jobs_closed_before_their_copy_leave_nothing_watched() -> None:
     _, step = await admit(mgr, a)
     model.step(a, step.num_new_tokens)
     assert mgr.after_step([a]) == 3
-    assert mgr._stores.copies._by_block  # type: ignore[union-attr]
+    assert mgr._stores.copies._watches  # type: ignore[union-attr]
     await mgr.aclose()  # cancels the job before its first step
-    assert not mgr._stores.copies._by_block  # type: ignore[union-attr]
+    assert not mgr._stores.copies._watches  # type: ignore[union-attr]
+    assert not mgr.core.block_pool._reuse_watchers
     assert mgr.stats().stored_chunks == 0 and mgr.stats().stores_failed == 3
 
 

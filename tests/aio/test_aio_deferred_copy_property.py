@@ -109,7 +109,8 @@ def test_deferred_copies_store_the_bytes_of_hand_off_time(ops: list[tuple[str, i
             await _reload_every_prompt(mgr, model)
             assert free_blocks(mgr) == all_blocks(mgr)
             assert mgr.num_pending_jobs == 0 and mgr.num_held_blocks == 0
-            assert not mgr._stores.copies._by_block  # type: ignore[union-attr]
+            assert not mgr._stores.copies._watches  # type: ignore[union-attr]
+            assert not mgr.core.block_pool._reuse_watchers
     asyncio.run(main())
 
 

@@ -63,3 +63,17 @@ def test_async_layer_imports_cleanly_and_alone() -> None:
     assert not {m for m in loaded if m in ("kvplugin.cli", "kvplugin.sim", "kvplugin.replay")}
     assert {p.stem for p in (REPO / "kvplugin" / "aio").glob("*.py")} - {"__init__"} \
         == {m.rsplit(".", 1)[1] for m in AIO[1:]}
+
+
+# The core's internals the async layer must not name: it asks the core's OffloadView.
+CORE_INTERNALS = {"block_pool", "coordinator", "single_type_managers",
+                  "cached_block_hash_to_block", "free_block_queue", "_reuse_watchers"}
+
+
+def test_async_layer_reaches_the_core_only_through_its_view() -> None:
+    bad = []
+    for path in sorted((REPO / "kvplugin" / "aio").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in CORE_INTERNALS:
+                bad.append((path.relative_to(REPO), node.lineno, node.attr))
+    assert not bad, bad

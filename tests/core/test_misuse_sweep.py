@@ -58,7 +58,8 @@ def uncached(c: Core, rid: str, tokens: list[int]) -> Request:
 def state(c: Core, live: list[Request]) -> dict[str, Any]:
     snap = snapshot(c.manager, [r.request_id for r in live])
     snap["events"] = list(c.pool.kv_event_queue)
-    snap["watchers"] = dict(c.pool._reuse_watchers)
+    snap["watchers"] = {b: [(w, set(w.pending)) for w in ws]
+                        for b, ws in c.pool._reuse_watchers.items()}
     managers = c.manager.coordinator.single_type_managers
     snap["zeroing"] = [list(m.new_block_ids) for m in managers]
     snap["known"] = [(sorted(m.req_to_blocks), dict(m.num_cached_block)) for m in managers]
