@@ -347,11 +347,19 @@ def test_register_and_create_misuse() -> None:
         registry.create(f"{MODULE}:TinyConnector", {"capacity_kb": 1, "size": 1})
     with pytest.raises(RegistryError, match="has no 'Nope'"):
         registry.resolve(f"{MODULE}:Nope")
-    with pytest.raises(RegistryError, match=r"cannot import 'connectors\.disk': "
-                                            r"ModuleNotFoundError: .*\(kvplugin's connectors "
-                                            r"are kvplugin\.connectors\.disk\)$"):
-        registry.resolve("connectors.disk:DiskConnector")
     with pytest.raises(RegistryError, match="it takes: url, prefix, ttl_seconds"):
         registry.create("redis", {"host": "x"})
     redis = registry.create("redis", {"url": "redis://127.0.0.1:1/0", "prefix": "t:"})
     assert redis.capabilities.tier == "redis"
+
+
+def test_a_kind_naming_the_old_top_level_package_gets_a_hint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # As in an installed kvplugin: no top-level "connectors" (in a checkout the folder
+    # itself would import from the repository root).
+    monkeypatch.setitem(sys.modules, "connectors", None)
+    monkeypatch.delitem(sys.modules, "connectors.disk", raising=False)
+    with pytest.raises(RegistryError, match=r"cannot import 'connectors\.disk': "
+                                            r"ModuleNotFoundError: .*\(kvplugin's connectors "
+                                            r"are kvplugin\.connectors\.disk\)$"):
+        registry.resolve("connectors.disk:DiskConnector")

@@ -5,6 +5,7 @@ of kvplugin may import the top-level name, and the checkout must not be what run
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -89,3 +90,20 @@ def test_the_wheel_installs_beside_a_top_level_connectors_and_runs(tmp_path: Pat
     assert report["requests"] == report["finished"] > 0
     assert report["kv_mismatches"] == report["leaked_blocks"] == report["failed"] == 0
     assert set(report["tiers"]) >= {"memory", "disk"}
+
+
+def test_nothing_imports_the_top_level_name() -> None:
+    # In a checkout the connectors/ folder also imports as "connectors" from the repository
+    # root: a module doing so would load every connector twice, under two names.
+    bad = []
+    for top in ("kvplugin", "connectors", "tests", "benchmarks", "examples", "tools"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            if top == "kvplugin" and "connectors" in path.relative_to(REPO / top).parts:
+                continue  # the symlink: the same files as connectors/
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom)
+                         and node.level == 0 else [])
+                bad += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                        if n == "connectors" or n.startswith("connectors.")]
+    assert not bad, bad

@@ -133,8 +133,9 @@ def _tiers(connector: Connector) -> list[Connector] | None:
 
 
 async def lookup_levels(connector: Connector, keys: Sequence[ObjectKey],
-                        deadline: Deadline) -> list[int]:
-    """The level (index in :func:`tier_names`) of each key present from the first.
+                        deadline: Deadline, *, by_level: bool = True) -> list[int]:
+    """The level (index in :func:`tier_names`) of each key present from the first
+    (``by_level=False``: the connector asked as one store, every level 0).
 
     A tiered connector is walked top-down at each position, the first tier that extends the
     prefix claiming its run: that is the tier its ``get`` reads those objects from. The
@@ -143,7 +144,7 @@ async def lookup_levels(connector: Connector, keys: Sequence[ObjectKey],
     tiers = _tiers(connector)
     if not keys:
         return []
-    if tiers is None:
+    if tiers is None or not by_level:
         return [0] * await connector.lookup(keys, timeout=_left(deadline))
     levels: list[int] = []
     while len(levels) < len(keys):

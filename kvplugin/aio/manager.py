@@ -61,15 +61,15 @@ from kvplugin.aio.jobs import (
     LoadJob,
     StoreJob,
     connector_tiers,
-    lookup_levels,
     tier_names,
 )
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.ledger import TokenLedger
 from kvplugin.aio.loadcost import Choice, LoadCosts
 from kvplugin.aio.loads import Loads
-from kvplugin.aio.memory import GroupShape, HostKVMemory, shape_of_group
+from kvplugin.aio.memory import HostKVMemory, layout_of, shape_of_group
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
+from kvplugin.aio.probe import ask_tiers
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, Stores
 from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
@@ -87,6 +87,7 @@ from kvplugin.aio.values import (
     StoreMode,
 )
 from kvplugin.connectors.base import Connector, ConnectorStats, Deadline
+from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.events import KVCacheEvent
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
@@ -123,20 +124,6 @@ class _Local:
     boundary: int
 
 
-STATE_PROBES = 8  # state keys asked at once, deepest first, until one is found
-
-
-def _layout(core: KVCacheManager, shapes: Sequence[GroupShape], chunk_blocks: int
-            ) -> plans.Layout:
-    # A state boundary must be one the core can hit: the hash unit when sub-block
-    # (partial) hits are on, else the scheduler block.
-    unit = core.offload_view().lookup_unit
-    has_state = any(s.kind == "state" for s in shapes)
-    return plans.Layout(tuple(s.block_size for s in shapes), chunk_blocks,
-                        tuple(s.kind for s in shapes), tuple(s.window_tokens for s in shapes),
-                        unit if has_state else 0)
-
-
 class AsyncKVManager:
     def __init__(self, core: KVCacheManager, connector: Connector | None,
                  config: OffloadConfig, *,
@@ -161,7 +148,9 @@ class AsyncKVManager:
         self.config = config
         self.memory = memory
         self.keyspace = KeySpace(config.model, shapes, hbs, config.chunk_blocks)
-        self.layout = _layout(core, shapes, config.chunk_blocks)
+        # A state boundary must be one the core can hit: the hash unit when sub-block
+        # (partial) hits are on, else the scheduler block.
+        self.layout = layout_of(shapes, config.chunk_blocks, core.offload_view().lookup_unit)
         self.hasher = BlockHasher(hash_context or HashContext.create("sha256_cbor"), hbs)
         # Tier names, fastest first; empty with offload off (no connector).
         self.tiers: tuple[str, ...] = () if connector is None else tier_names(connector)
@@ -285,17 +274,20 @@ class AsyncKVManager:
             return miss
         keys = [st.chunk_keys(self.keyspace, g, w.start, w.stop) if self.layout.chunked(g)
                 else [] for g, w in enumerate(windows)]
+        groups = self.layout.state_groups
+
+        def state_keys(n: int) -> list[ObjectKey]:
+            return [self.keyspace.state_key(st.scope, g, req.block_hashes, n) for g in groups]
+
         self._stats.lookups += 1
         timeout = self.config.lookup_timeout
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
-                deadline = Deadline.after(timeout)
-                found = await asyncio.gather(
-                    *(lookup_levels(connector, k, deadline) for k in keys))
-                levels = tuple(tuple(lv) for lv in found)
-                tier = TierHit(first, tuple(len(lv) for lv in levels))
-                states = await self._probe_states(connector, st, hit, tier, deadline)
+                answer = await ask_tiers(connector, self.layout, windows, keys, state_keys,
+                                         num_tokens=req.num_tokens,
+                                         num_hash_tokens=self._hash_tokens(req), hit=hit,
+                                         deadline=Deadline.after(timeout))
         except TimeoutError:
             self._stats.lookup_timeouts += 1
             return Lookup(req.request_id, hit.reconciled, 0, first,
@@ -303,29 +295,10 @@ class AsyncKVManager:
         finally:
             # Every lookup that asked the tiers is timed: answered, timed out or cancelled.
             self._latency.lookup.observe(time.perf_counter() - started)
-        tier = TierHit(first, tier.present, frozenset(b for b, _ in states))
-        claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req), hit, tier)
-        return Lookup(req.request_id, claim.local, claim.external, first, levels, False,
-                      states, claim.state_at)
-
-    async def _probe_states(self, connector: Connector, st: ReqState, hit: LocalHit,
-                            tier: TierHit, deadline: Deadline
-                            ) -> tuple[tuple[int, int], ...]:
-        """The deepest boundary at which the tiers hold every state group's state, with
-        its (slowest) level: candidates are asked a few at a time, deepest first."""
-        req = st.req
-        todo = plans.state_candidates(self.layout, req.num_tokens, self._hash_tokens(req),
-                                      hit, tier)
-        groups = self.layout.state_groups
-        for i in range(0, len(todo), STATE_PROBES):
-            batch = todo[i:i + STATE_PROBES]
-            found = await asyncio.gather(*(lookup_levels(
-                connector, [self.keyspace.state_key(st.scope, g, req.block_hashes, n)
-                                 for g in groups], deadline) for n in batch))
-            for n, levels in zip(batch, found, strict=True):
-                if len(levels) == len(groups):
-                    return ((n, max(levels)),)
-        return ()
+        claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req), hit,
+                                answer.tier_hit())
+        return Lookup(req.request_id, claim.local, claim.external, first, answer.levels, False,
+                      answer.states, claim.state_at)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, req: Request, lookup: Lookup | None = None, *,

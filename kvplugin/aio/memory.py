@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvplugin.aio import plans
 from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 from kvplugin.core.specs import (
     ChunkedLocalAttentionSpec,
@@ -31,7 +32,7 @@ from kvplugin.core.specs import (
 )
 from kvplugin.serde import DTYPE_SIZES
 
-__all__ = ["GroupShape", "HostKVMemory", "PageShape", "StateShape", "shape_of_group"]
+__all__ = ["GroupShape", "HostKVMemory", "PageShape", "StateShape", "layout_of", "shape_of_group"]
 
 Rows = np.ndarray[Any, np.dtype[np.uint8]]
 
@@ -268,3 +269,14 @@ class HostKVMemory:
             if type(b) is not int or not 0 < b < self.num_blocks:
                 raise ValueError(f"block id {b!r} outside [1, {self.num_blocks})")
         return ids
+
+
+def layout_of(shapes: Sequence[GroupShape], chunk_blocks: int, state_unit: int
+              ) -> plans.Layout:
+    """The offload layout of these pages (:class:`plans.Layout`), both engines'.
+    ``state_unit``: where the engine's hits can land (the core's lookup unit; vLLM's
+    ``cache_hit_alignment_tokens``), so a state boundary is one the engine can resume at."""
+    has_state = any(s.kind == "state" for s in shapes)
+    return plans.Layout(tuple(s.block_size for s in shapes), chunk_blocks,
+                        tuple(s.kind for s in shapes), tuple(s.window_tokens for s in shapes),
+                        state_unit if has_state else 0)

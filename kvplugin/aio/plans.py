@@ -32,6 +32,8 @@ from kvplugin.core.single_type.mamba_checkpoints import prefill_checkpoint_posit
 __all__ = [
     "KINDS",
     "ChunkLoad",
+    "ChunkOffer",
+    "ChunkOffers",
     "Claim",
     "Layout",
     "LocalHit",
@@ -39,6 +41,7 @@ __all__ = [
     "StateOffer",
     "StoreSelection",
     "TierHit",
+    "chunk_offers",
     "claim_external",
     "device_base",
     "external_span",
@@ -481,6 +484,50 @@ def store_window(layout: Layout, group: int, next_chunk: int, committed_tokens: 
     the first one not yet offered (``next_chunk``)."""
     ct = layout.chunk_tokens(group)
     return range(next_chunk, max(next_chunk, min(committed_tokens, num_hash_tokens) // ct))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOffer:
+    """A chunk ready to store: chunk ``chunk`` of ``group``, in the request's blocks
+    ``block_ids`` (``layout.chunk_blocks`` of them, none null)."""
+
+    group: int
+    chunk: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOffers:
+    """What a step offers for storage: the chunks, each group's cursor after them (every
+    chunk in a window is offered once: stored, deduplicated or shed), and the first token
+    no state can be restored past (``hole``; unchanged when every chunk could be read)."""
+
+    chunks: tuple[ChunkOffer, ...]
+    next_chunk: tuple[int, ...]
+    hole: int
+
+
+def chunk_offers(layout: Layout, next_chunk: Sequence[int], committed_tokens: int,
+                 num_hash_tokens: int, block_table: Sequence[Sequence[int]],
+                 hole: int) -> ChunkOffers:
+    """The chunks of every chunked group that became storable (:func:`store_window`),
+    read from ``block_table`` (the request's block ids per group). A chunk whose blocks a
+    window group already released (a null block, or a table shorter than the chunk: an
+    engine may hand over only the blocks it still holds) cannot be stored, and no state
+    past it can be restored: ``hole`` moves back to its first token."""
+    cb = layout.chunk_blocks
+    cursors = list(next_chunk)
+    out: list[ChunkOffer] = []
+    for g in layout.chunked_groups:
+        window = store_window(layout, g, cursors[g], committed_tokens, num_hash_tokens)
+        for c in window:
+            ids = tuple(block_table[g][c * cb:(c + 1) * cb])
+            if len(ids) < cb or 0 in ids:
+                hole = min(hole, c * layout.chunk_tokens(g))
+            else:
+                out.append(ChunkOffer(g, c, ids))
+        cursors[g] = window.stop
+    return ChunkOffers(tuple(out), tuple(cursors), hole)
 
 
 def select_stores(candidates: Sequence[tuple[str, int]], in_flight: Set[str],

@@ -248,24 +248,16 @@ class Stores(JobSide):
         committed = req.num_computed_tokens
         if self._config.store_prompt_only:
             committed = min(committed, req.num_prompt_tokens)
-        hash_tokens = len(req.block_hashes) * self._hbs
-        table = self._core.get_block_ids(req.request_id)
+        offers = plans.chunk_offers(self._layout, st.next_chunk, committed,
+                                    len(req.block_hashes) * self._hbs,
+                                    self._core.get_block_ids(req.request_id), st.hole)
+        st.next_chunk[:] = offers.next_chunk
+        st.hole = offers.hole
         cb = self._layout.chunk_blocks
-        out = []
-        for g in self._layout.chunked_groups:
-            window = plans.store_window(self._layout, g, st.next_chunk[g], committed,
-                                        hash_tokens)
-            nbytes = self._memory.page_bytes(g) * cb
-            for c, key in zip(window, st.chunk_keys(self._keyspace, g, window.start,
-                                                    window.stop), strict=True):
-                ids = table[g][c * cb:(c + 1) * cb]
-                if 0 in ids:
-                    # A window group released part of it before it completed.
-                    st.hole = min(st.hole, c * self._layout.chunk_tokens(g))
-                    continue
-                out.append(_Candidate(g, c, key, ids, nbytes))
-            st.next_chunk[g] = window.stop  # offered once: stored, deduplicated or shed
-        return out
+        return [_Candidate(o.group, o.chunk, st.chunk_keys(self._keyspace, o.group, o.chunk,
+                                                           o.chunk + 1)[0],
+                           list(o.block_ids), self._memory.page_bytes(o.group) * cb)
+                for o in offers.chunks]
 
     def _mark_holes(self, st: ReqState, chunks: list[_Candidate], taken: Sequence[int]) -> None:
         kept = set(taken)

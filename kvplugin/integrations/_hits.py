@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 from kvplugin.aio import plans
 from kvplugin.aio.keys import KeySpace
-from kvplugin.aio.memory import GroupShape
-from kvplugin.connectors.base import Connector
+from kvplugin.aio.probe import ask_tiers
+from kvplugin.connectors.base import Connector, Deadline
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations._events import StoredObject
 
-__all__ = ["Piece", "claim_dropped", "layout_of", "load_pieces", "state_pieces", "tier_claim",
+__all__ = ["Piece", "claim_dropped", "load_pieces", "state_pieces", "tier_claim",
            "worth_reconciling"]
-
-STATE_PROBES = 8  # boundaries asked at once, deepest first (as the native manager does)
 
 
 @dataclass(slots=True)
@@ -43,58 +41,31 @@ class Piece:
     event: StoredObject | None = None
 
 
-def layout_of(shapes: Sequence[GroupShape], chunk_blocks: int, state_unit: int
-              ) -> plans.Layout:
-    """The native manager's layout for these pages; ``state_unit`` is where vLLM's hits land
-    (its ``cache_hit_alignment_tokens``), so a state boundary is one vLLM can resume at."""
-    has_state = any(s.kind == "state" for s in shapes)
-    return plans.Layout(tuple(s.block_size for s in shapes), chunk_blocks,
-                        tuple(s.kind for s in shapes), tuple(s.window_tokens for s in shapes),
-                        state_unit if has_state else 0)
-
-
 async def tier_claim(connector: Connector, keys: KeySpace, layout: plans.Layout, tenant: str,
                      block_hashes: Sequence[bytes], num_tokens: int, local: int,
                      timeout: float) -> plans.Claim:
     """How far the tiers extend vLLM's device hit of ``local`` tokens, at a point every group
-    can be restored at (attention chunks up to it, and for state groups the state at it)."""
+    can be restored at (attention chunks up to it, and for state groups the state at it):
+    the native manager's lookup (:func:`kvplugin.aio.probe.ask_tiers`), every question
+    within one ``timeout``."""
     hit = plans.LocalHit(local, local)
     hash_tokens = len(block_hashes) * keys.hash_block_size
     windows = plans.lookup_window(layout, num_tokens, plans.device_base(layout, hit),
                                   hash_tokens)
     if not all(windows[g] for g in layout.chunked_groups):
         return plans.Claim(local)
-    async with asyncio.timeout(timeout):
-        found = await asyncio.gather(*(
-            connector.lookup(keys.chunk_keys(tenant, g, block_hashes, w.start, w.stop),
-                             timeout=timeout)
-            for g, w in enumerate(windows) if layout.chunked(g)))
-        present = iter(found)
-        tier = plans.TierHit(tuple(w.start for w in windows),
-                             tuple(next(present) if layout.chunked(g) else 0
-                                   for g, _ in enumerate(windows)))
-        states = await _probe_states(connector, keys, layout, tenant, block_hashes,
-                                     num_tokens, hit, tier, timeout)
-    tier = plans.TierHit(tier.first, tier.present, frozenset(states))
-    return plans.reconcile(layout, num_tokens, hash_tokens, hit, tier)
-
-
-async def _probe_states(connector: Connector, keys: KeySpace, layout: plans.Layout,
-                        tenant: str, block_hashes: Sequence[bytes], num_tokens: int,
-                        hit: plans.LocalHit, tier: plans.TierHit, timeout: float) -> list[int]:
-    """The deepest boundary where the tiers hold every state group's state (or none)."""
-    todo = plans.state_candidates(layout, num_tokens, len(block_hashes) * keys.hash_block_size,
-                                  hit, tier)
+    chunk_keys = [keys.chunk_keys(tenant, g, block_hashes, w.start, w.stop)
+                  if layout.chunked(g) else [] for g, w in enumerate(windows)]
     groups = layout.state_groups
-    for i in range(0, len(todo), STATE_PROBES):
-        batch = todo[i:i + STATE_PROBES]
-        found = await asyncio.gather(*(
-            connector.lookup([keys.state_key(tenant, g, block_hashes, n) for g in groups],
-                             timeout=timeout) for n in batch))
-        for n, count in zip(batch, found, strict=True):
-            if count == len(groups):
-                return [n]
-    return []
+
+    def state_keys(n: int) -> list[ObjectKey]:
+        return [keys.state_key(tenant, g, block_hashes, n) for g in groups]
+
+    async with asyncio.timeout(timeout):
+        answer = await ask_tiers(connector, layout, windows, chunk_keys, state_keys,
+                                 num_tokens=num_tokens, num_hash_tokens=hash_tokens, hit=hit,
+                                 deadline=Deadline.after(timeout), by_level=False)
+    return plans.reconcile(layout, num_tokens, hash_tokens, hit, answer.tier_hit())
 
 
 def load_pieces(keys: KeySpace, layout: plans.Layout, tenant: str,

@@ -52,13 +52,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplugin.aio import plans
+from kvplugin.aio.memory import layout_of
 from kvplugin.aio.reqstate import NO_HOLE
 from kvplugin.integrations import _events, _lookup, _runtime
 from kvplugin.integrations._groups import GroupIO, group_ios, map_groups, pages_in
 from kvplugin.integrations._hits import (
     Piece,
     claim_dropped,
-    layout_of,
     load_pieces,
     state_pieces,
     worth_reconciling,
@@ -445,25 +445,16 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
 
     def _chunk_pieces(self, st: _ReqState, table: Any, computed_after: int) -> list[Piece]:
         req, lay = st.request, self._layout
-        hash_tokens = len(req.block_hashes) * self._keys.hash_block_size
-        cb = lay.chunk_blocks
-        out = []
-        for g in lay.chunked_groups:
-            window = plans.store_window(lay, g, st.next_chunk[g], computed_after, hash_tokens)
-            if not window:
-                continue
-            keys = self._keys.chunk_keys(st.tenant, g, req.block_hashes, window.start,
-                                         window.stop)
-            ct = lay.chunk_tokens(g)
-            for c, key in zip(window, keys, strict=True):
-                ids = list(table[g][c * cb:(c + 1) * cb])
-                if len(ids) < cb or 0 in ids:
-                    # A window group released part of it: no state past it can be restored.
-                    st.hole = min(st.hole, c * ct)
-                    continue
-                out.append(Piece(key, g, ids, c * ct, event=self._chunk_event(st, g, c)))
-            st.next_chunk[g] = window.stop
-        return out
+        offers = plans.chunk_offers(lay, st.next_chunk, computed_after,
+                                    len(req.block_hashes) * self._keys.hash_block_size,
+                                    table, st.hole)
+        st.next_chunk[:] = offers.next_chunk
+        st.hole = offers.hole
+        return [Piece(self._keys.chunk_keys(st.tenant, o.group, req.block_hashes, o.chunk,
+                                            o.chunk + 1)[0],
+                      o.group, list(o.block_ids), o.chunk * lay.chunk_tokens(o.group),
+                      event=self._chunk_event(st, o.group, o.chunk))
+                for o in offers.chunks]
 
     def _state_offers(self, st: _ReqState, offers: list[plans.StateOffer], alive: bool
                       ) -> list[Piece]:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvplugin.aio import plans
 from kvplugin.aio.plans import Layout
+from kvplugin.aio.reqstate import NO_HOLE
 
 
 @st.composite
@@ -331,3 +332,31 @@ def test_a_chunked_local_group_loads_only_the_hits_own_attention_chunk() -> None
     assert [c for c in plans.load_plan(lay, 0, 128) if c.group == 1] == []  # a boundary
     with pytest.raises(ValueError, match="token span"):
         plans.Layout((16,), 1, ("local",), (0,))
+
+
+# ------------------------------------------------------------- chunk offers (both engines)
+def test_chunk_offers_read_the_table_and_advance_every_cursor() -> None:
+    # Full attention and a window group, blocks of 4, chunks of 2 blocks (8 tokens).
+    lay = Layout((4, 4), 2, ("full", "window"), (0, 7))
+    table = ([1, 2, 3, 4, 5, 6, 7], [0, 0, 13, 14, 15, 16, 17])  # the window freed 11, 12
+    offers = plans.chunk_offers(lay, [0, 0], 27, 28, table, NO_HOLE)
+    assert offers.chunks == (
+        plans.ChunkOffer(0, 0, (1, 2)), plans.ChunkOffer(0, 1, (3, 4)),
+        plans.ChunkOffer(0, 2, (5, 6)),
+        plans.ChunkOffer(1, 1, (13, 14)), plans.ChunkOffer(1, 2, (15, 16)))
+    assert offers.next_chunk == (3, 3)  # chunk 3 needs token 32: not computed yet
+    assert offers.hole == 0  # window chunk 0 is gone: no state can be restored past 0
+    # From the cursors on, nothing is offered twice; the hole stays where it was.
+    again = plans.chunk_offers(lay, offers.next_chunk, 27, 28, table, offers.hole)
+    assert again.chunks == () and again.next_chunk == (3, 3) and again.hole == 0
+
+
+def test_chunk_offers_treat_a_short_table_as_released_blocks() -> None:
+    # An engine may hand over only the blocks it still holds (vLLM's table for the step).
+    lay = Layout((4,), 2)
+    offers = plans.chunk_offers(lay, [1], 24, 24, ([1, 2, 3],), NO_HOLE)
+    assert offers.chunks == ()
+    assert offers.next_chunk == (3,) and offers.hole == 8  # chunk 1 starts at token 8
+    # Fewer hashed tokens than computed: the window stops at the hashes.
+    offers = plans.chunk_offers(lay, [0], 24, 9, ([1, 2, 3, 4, 5, 6],), NO_HOLE)
+    assert offers.chunks == (plans.ChunkOffer(0, 0, (1, 2)),) and offers.next_chunk == (1,)

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from kvplugin.aio.keys import KeySpace
-from kvplugin.aio.memory import PageShape
+from kvplugin.aio.memory import PageShape, layout_of
 from kvplugin.integrations import _lookup, _runtime
-from kvplugin.integrations._hits import layout_of, tier_claim
+from kvplugin.integrations._hits import tier_claim
 from kvplugin.serde import Block
 
 BS = 16

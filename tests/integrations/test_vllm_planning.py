@@ -8,12 +8,11 @@ import asyncio
 import hashlib
 
 from kvplugin.aio.keys import KeySpace
-from kvplugin.aio.memory import GroupShape, PageShape, StateShape
+from kvplugin.aio.memory import GroupShape, PageShape, StateShape, layout_of
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.integrations._hits import (
     claim_dropped,
-    layout_of,
     load_pieces,
     tier_claim,
     worth_reconciling,
