@@ -44,7 +44,7 @@ from kvplugin.config import (
 )
 from kvplugin.config import load_config as _load_config
 from kvplugin.costs import ModelCost, TierLink, model_cost
-from kvplugin.engine.layouts import build_core
+from kvplugin.layouts import build_core
 from kvplugin.registry import RegistryError, create
 
 __all__ = [

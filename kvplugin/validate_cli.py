@@ -68,7 +68,7 @@ def _check_manager(cfg: KVPluginConfig, source: str) -> None:
     from connectors.memory import MemoryConnector
     from kvplugin.aio.manager import AsyncKVManager
     from kvplugin.config import ConfigError
-    from kvplugin.engine.layouts import build_core, engine_supports
+    from kvplugin.layouts import build_core, engine_supports
     from kvplugin.plugin import offload_config
 
     if not cfg.offload.enabled or engine_supports(cfg.layout, cfg.model) is not None:

@@ -11,9 +11,9 @@ import pytest
 from redis_fixture import local_redis
 
 from kvplugin.config import ConfigError, apply_env_overrides, load_config, validate
-from kvplugin.engine.build import engine_supports
 from kvplugin.engine.report import decided
 from kvplugin.engine.run import run_engine
+from kvplugin.layouts import engine_supports
 from kvplugin.replay import run_trace
 from kvplugin.sim import Limits, Simulation, Workload
 

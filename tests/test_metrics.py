@@ -24,7 +24,7 @@ from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import BOUNDS, Histogram, OffloadConfig
 from kvplugin.config import KVPluginConfig, validate
 from kvplugin.engine.build import Deployment, deployment
-from kvplugin.engine.layouts import build_core
+from kvplugin.layouts import build_core
 from kvplugin.metrics import (
     METRIC_NAMES,
     METRICS,

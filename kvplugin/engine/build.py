@@ -14,9 +14,9 @@ from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
 from kvplugin.costs import ModelCost
 from kvplugin.engine.clock import RealClock, SimClock
-from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
+from kvplugin.layouts import engine_supports
 from kvplugin.plugin import (
     TierWrapper,
     build_connector,
@@ -32,14 +32,11 @@ __all__ = [
     "Deployment",
     "TierWrapper",
     "build_connector",
-    "build_core",
     "build_tiers",
     "check_workload",
     "deployment",
-    "engine_supports",
     "fault_plan",
     "fault_wrapper",
-    "kv_cache_config",
     "limits_of",
     "offload_config",
     "workload_problems",
