@@ -71,9 +71,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 from connectors.base import Connector  # noqa: E402
 from connectors.faults import FaultInjector, FaultPlan, LocalRedisServer  # noqa: E402
+from kvplugin.aio.loop import run, uvloop_available  # noqa: E402
 from kvplugin.config import KVPluginConfig, validate  # noqa: E402
 from kvplugin.costs import model_cost  # noqa: E402
-from kvplugin.engine.loop import run, uvloop_available  # noqa: E402
 from kvplugin.engine.quantiles import Quantiles  # noqa: E402
 from kvplugin.engine.report import RunReport  # noqa: E402
 from kvplugin.engine.run import serve  # noqa: E402

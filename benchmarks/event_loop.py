@@ -48,12 +48,13 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 from connectors.base import Connector, PutItem  # noqa: E402
 from connectors.disk import default_io_threads  # noqa: E402
+from kvplugin.aio.loop import new_event_loop, uvloop_available  # noqa: E402
 from kvplugin.aio.manager import AsyncKVManager  # noqa: E402
 from kvplugin.aio.values import OffloadConfig, StoreMode  # noqa: E402
 from kvplugin.config import KVPluginConfig, validate  # noqa: E402
 from kvplugin.core.request import Request  # noqa: E402
 from kvplugin.engine.build import build_connector  # noqa: E402
-from kvplugin.engine.loop import LagProbe, new_event_loop, uvloop_available  # noqa: E402
+from kvplugin.engine.loop import LagProbe  # noqa: E402
 from kvplugin.engine.quantiles import Quantiles  # noqa: E402
 from kvplugin.layouts import build_core  # noqa: E402
 from kvplugin.serde import Block  # noqa: E402

@@ -44,9 +44,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 from connectors.base import Connector  # noqa: E402
 from connectors.faults import LocalRedisServer  # noqa: E402
+from kvplugin.aio.loop import run, uvloop_available  # noqa: E402
 from kvplugin.config import KVPluginConfig, validate  # noqa: E402
 from kvplugin.engine.build import Deployment, deployment  # noqa: E402
-from kvplugin.engine.loop import LagProbe, run, uvloop_available  # noqa: E402
+from kvplugin.engine.loop import LagProbe  # noqa: E402
 from kvplugin.engine.scheduler import Engine, Result  # noqa: E402
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate  # noqa: E402
 

@@ -7,7 +7,7 @@ drive): vLLM's scheduling rules on an asyncio loop over
   checks of every hit)
 * :mod:`kvplugin.engine.workload` — tenants, chats, follow-ups, document QA, resends
 * :mod:`kvplugin.engine.build` — the deployment (core, tiers, manager) from a config
-* :mod:`kvplugin.engine.loop` — uvloop, the loop-thread adapter, the loop-lag probe
+* :mod:`kvplugin.engine.loop` — the loop-lag probe
 * :mod:`kvplugin.engine.threaded` — the engine for synchronous callers, on a loop thread
 * :mod:`kvplugin.engine.run`, :mod:`kvplugin.engine.report` — ``kvplugin run`` and its report
 

@@ -19,9 +19,10 @@ from connectors.base import Connector, ConnectorStats, Health
 from connectors.faults import FaultInjector
 from connectors.tiered import TieredConnector
 from kvplugin.aio.jobs import connector_tiers
+from kvplugin.aio.loop import run, uvloop_available
 from kvplugin.config import KVPluginConfig
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
-from kvplugin.engine.loop import LagProbe, run, uvloop_available
+from kvplugin.engine.loop import LagProbe
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
 from kvplugin.engine.report import RunReport, Sample, TenantRow
 from kvplugin.engine.scheduler import Result

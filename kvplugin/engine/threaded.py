@@ -1,5 +1,5 @@
 """The engine for synchronous callers: a deployment and its serving loop on a
-:class:`~kvplugin.engine.loop.LoopThread`; ``generate`` blocks the calling thread only."""
+:class:`~kvplugin.aio.loop.LoopThread`; ``generate`` blocks the calling thread only."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import concurrent.futures
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 
+from kvplugin.aio.loop import LoopThread
 from kvplugin.config import KVPluginConfig
 from kvplugin.engine.build import Deployment, TierWrapper, deployment
-from kvplugin.engine.loop import LoopThread
 from kvplugin.engine.scheduler import Result
 
 __all__ = ["EngineThread"]

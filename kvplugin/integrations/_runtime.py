@@ -21,9 +21,9 @@ from connectors.base import Connector
 from connectors.events import TierEvent
 from connectors.faults import FaultInjector
 from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.loop import LoopThread
 from kvplugin.aio.memory import GroupShape
 from kvplugin.config import KVPluginConfig, load_config
-from kvplugin.engine.loop import LoopThread
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
 
 __all__ = ["Runtime", "Timeouts", "acquire", "keyspace_for", "release", "settings"]
