@@ -274,6 +274,22 @@ def test_registry_needs_a_manager() -> None:
 
 
 @pytest.mark.asyncio
+async def test_any_holder_of_a_manager_is_a_source() -> None:
+    """An engine's own deployment object needs only a ``manager`` (ManagerSource); the
+    reference engine's Deployment has one too, beside its ``mgr``."""
+
+    class Holder:
+        def __init__(self, mgr: AsyncKVManager) -> None:
+            self.manager = mgr
+
+    async with deployment(config()) as dep:
+        assert dep.manager is dep.mgr
+        for source in (Holder(dep.mgr), dep):
+            v = parse(generate_latest(build_registry(source)).decode())
+            assert value(v, "kvplugin_offload_enabled") == 1
+
+
+@pytest.mark.asyncio
 async def test_an_engine_exports_what_load_plugin_gave_it() -> None:
     async with load_plugin(config()) as plugin:
         mgr = plugin.manager

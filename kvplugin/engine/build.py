@@ -110,6 +110,11 @@ class Deployment:
     injectors: list[FaultInjector] = field(default_factory=list)  # the faults section's
 
     @property
+    def manager(self) -> AsyncKVManager:
+        """``mgr`` by the name the plugin has it (what :mod:`kvplugin.metrics` reads)."""
+        return self.mgr
+
+    @property
     def tier_labels(self) -> list[str]:
         return list(self.mgr.tiers)
 
