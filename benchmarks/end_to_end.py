@@ -72,8 +72,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 from connectors.base import Connector  # noqa: E402
 from connectors.faults import FaultInjector, FaultPlan, LocalRedisServer  # noqa: E402
 from kvplugin.aio.loop import run, uvloop_available  # noqa: E402
-from kvplugin.config import KVPluginConfig, validate  # noqa: E402
+from kvplugin.config import validate  # noqa: E402
 from kvplugin.costs import model_cost  # noqa: E402
+from kvplugin.engine.config import RunConfig  # noqa: E402
 from kvplugin.engine.quantiles import Quantiles  # noqa: E402
 from kvplugin.engine.report import RunReport  # noqa: E402
 from kvplugin.engine.run import serve  # noqa: E402
@@ -132,7 +133,7 @@ def pool_blocks(setup: Setup, qa: MultiRoundQA) -> int:
 def config(setup: Setup, qa: MultiRoundQA, page: Page, tiers: str, *, real_time: bool,
            redis_url: str | None = None, cost_aware: bool | None = None,
            tier_links: dict[str, dict[str, float]] | None = None,
-           name: str = "e2e") -> KVPluginConfig:
+           name: str = "e2e") -> RunConfig:
     """The deployment; ``tiers``: off, memory, memory+disk, memory+redis or redis."""
     ws_bytes = qa.working_set_tokens * page.token_bytes
     parts = set(tiers.split("+"))
@@ -163,7 +164,7 @@ def config(setup: Setup, qa: MultiRoundQA, page: Page, tiers: str, *, real_time:
         "engine": {"model_cost": setup.model_cost, "tier_links": tier_links or {},
                    "uvloop": setup.uvloop, "deterministic": not real_time},
         "limits": {"max_num_batched_tokens": setup.budget, "max_num_seqs": setup.max_seqs},
-    }, "end_to_end")
+    }, "end_to_end", schema=RunConfig)
 
 
 # --------------------------------------------------------------------------- one run
@@ -248,7 +249,7 @@ def qa_run(a: argparse.Namespace, qa: MultiRoundQA) -> QARun:
     return QARun(qa, specs, warm_s, warm_s + a.warmup_gaps * qa.gap_s)
 
 
-def serve_qa(cfg: KVPluginConfig, label: str, qr: QARun, *,
+def serve_qa(cfg: RunConfig, label: str, qr: QARun, *,
              wrap: Callable[[Connector], Connector] | None = None) -> Point:
     qa = qr.qa
     window = Window(qr.measure_from_s)

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvplugin.config import KVPluginConfig
+    from kvplugin.engine.config import RunConfig
 
 
 def _stem(path: str) -> str:
@@ -109,13 +109,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1 if result["summary"]["num_errors"] else 0
 
     from kvplugin.config import ConfigError, load_config
+    from kvplugin.engine.config import RunConfig
 
     problem = _check_run_flags(args)
     if problem is not None:
         print(f"kvplugin run: {problem}", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, schema=RunConfig)
     except ConfigError as e:
         print(f"kvplugin run: {e}", file=sys.stderr)
         return 2
@@ -137,7 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.core_only or args.save_trace:
         return _run_core(cfg, args, source)
     from kvplugin.config import unresolved_remote_url
-    from kvplugin.engine.build import check_workload, engine_supports
+    from kvplugin.engine.build import check_workload
+    from kvplugin.layouts import engine_supports
 
     waiting = unresolved_remote_url(cfg.offload.remote_url) if cfg.offload.enabled else None
     if waiting is not None:
@@ -158,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_engine(cfg, args, source)
 
 
-def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
+def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     from kvplugin.engine.progress import ProgressBar, wanted
     from kvplugin.engine.report import compare_table, comparison
     from kvplugin.engine.run import TierUnavailable, run_compare, run_engine
@@ -227,7 +229,7 @@ def _check_run_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _run_core(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
+def _run_core(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     from kvplugin.sim import Simulation
 
     ignored = [f"--{f.replace('_', '-')}" for f in ENGINE_ONLY if getattr(args, f)

@@ -46,12 +46,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_validate_config(args: argparse.Namespace) -> int:
     from kvplugin.config import CONFIG_FILE_ENV, ConfigError, load_config
     from kvplugin.engine.build import check_workload
+    from kvplugin.engine.config import RunConfig
 
     env = {} if args.no_env else {k: v for k, v in os.environ.items() if k != CONFIG_FILE_ENV}
     rc = 0
     for path in args.files:
         try:
-            cfg = load_config(path, env)
+            cfg = load_config(path, env, schema=RunConfig)
             _check_manager(cfg, path)
             check_workload(cfg, path)
         except ConfigError as e:

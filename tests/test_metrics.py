@@ -22,8 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import BOUNDS, Histogram, OffloadConfig
-from kvplugin.config import KVPluginConfig, validate
+from kvplugin.config import validate
 from kvplugin.engine.build import Deployment, deployment
+from kvplugin.engine.config import RunConfig
 from kvplugin.layouts import build_core
 from kvplugin.metrics import (
     METRIC_NAMES,
@@ -51,8 +52,8 @@ WAVE = [(t, [*range(1000 * (i + 1), 1000 * (i + 1) + 16), *range(100 * j, 100 * 
 Values = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def config() -> KVPluginConfig:
-    return validate(DOC, "test")
+def config() -> RunConfig:
+    return validate(DOC, "test", schema=RunConfig)
 
 
 async def serve_waves(dep: Deployment, waves: int = 3,
@@ -115,7 +116,7 @@ async def test_a_tier_whose_writes_fail_is_charged_no_stored_bytes() -> None:
                               "store_timeout_ms": 200,
                               "lookup_timeout_ms": 50},
            "faults": {"rate": 0.0}}
-    async with deployment(validate(doc, "test")) as dep:
+    async with deployment(validate(doc, "test", schema=RunConfig)) as dep:
         await serve_waves(dep, waves=2)
         v = parse(generate_latest(build_registry(dep)).decode())
         s = dep.mgr.stats()
@@ -458,7 +459,7 @@ def test_kvplugin_run_metrics_port_serves_every_metric() -> None:
 @pytest.mark.asyncio
 async def test_block_residency_reaches_the_histograms_once_per_eviction() -> None:
     cfg = validate({**DOC, "layout": {**DOC["layout"], "metrics_collector_sample_rate": 1.0},
-                    "faults": {"rate": 0.0}}, "test")
+                    "faults": {"rate": 0.0}}, "test", schema=RunConfig)
     async with deployment(cfg) as dep:
         collector = dep.mgr.core.metrics_collector
         assert collector is not None and collector.sample_rate == 1.0

@@ -14,6 +14,7 @@ from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, KVPluginConfig, Loc
 from kvplugin.costs import ModelCost
 from kvplugin.engine.clock import RealClock, SimClock
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
 from kvplugin.layouts import engine_supports
@@ -53,7 +54,7 @@ def limits_of(cfg: KVPluginConfig) -> SchedulerLimits:
         long_prefill_token_threshold=lim.long_prefill_token_threshold)
 
 
-def workload_problems(cfg: KVPluginConfig) -> list[tuple[Loc, str]]:
+def workload_problems(cfg: RunConfig) -> list[tuple[Loc, str]]:
     """What keeps the reference engine's workload (``kvplugin run``) from serving this
     deployment's tenancy; nothing an engine loading the plugin cares about. Its requests
     belong to the declared tenants (else ``tenant0`` ..), and a group member's requests
@@ -80,7 +81,7 @@ def workload_problems(cfg: KVPluginConfig) -> list[tuple[Loc, str]]:
     return problems
 
 
-def check_workload(cfg: KVPluginConfig, source: str = "<config>") -> None:
+def check_workload(cfg: RunConfig, source: str = "<config>") -> None:
     """ConfigError when the reference engine's workload cannot serve ``cfg``
     (:func:`workload_problems`)."""
     problems = workload_problems(cfg)
@@ -90,7 +91,7 @@ def check_workload(cfg: KVPluginConfig, source: str = "<config>") -> None:
                                                         for loc, why in problems)]))
 
 
-def workload_tenancy(cfg: KVPluginConfig) -> tuple[list[str] | None, dict[str, list[str]]]:
+def workload_tenancy(cfg: RunConfig) -> tuple[list[str] | None, dict[str, list[str]]]:
     """Whom the workload's requests belong to: the declared tenant names (None when the
     config declares none: the workload names its own), and each prefix group's members.
     ConfigError when the workload cannot serve them (:func:`check_workload`: e.g. a group's
@@ -128,7 +129,7 @@ class Deployment:
 
 
 @contextlib.asynccontextmanager
-async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None
+async def deployment(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None
                      ) -> AsyncIterator[Deployment]:
     """The engine and everything under it; on exit the engine's tasks are stopped, then the
     plugin closes (the manager's jobs cancelled and awaited, the tiers closed, a temporary
