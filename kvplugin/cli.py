@@ -207,6 +207,29 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     return 0 if on.ok() and (off is None or off.ok()) else 1
 
 
+def cmd_validate_config(args: argparse.Namespace) -> int:
+    """``kvplugin validate-config`` (:mod:`kvplugin.validate_cli`): each file loaded as
+    ``kvplugin run`` loads it, the manager built over it, the workload's tenancy checked."""
+    from kvplugin.config import CONFIG_FILE_ENV, ConfigError, load_config
+    from kvplugin.engine.build import check_workload
+    from kvplugin.engine.config import RunConfig
+    from kvplugin.validate_cli import check_manager
+
+    env = {} if args.no_env else {k: v for k, v in os.environ.items() if k != CONFIG_FILE_ENV}
+    rc = 0
+    for path in args.files:
+        try:
+            cfg = load_config(path, env, schema=RunConfig)
+            check_manager(cfg, path)
+            check_workload(cfg, path)
+        except ConfigError as e:
+            print(f"kvplugin validate-config: {e}", file=sys.stderr)
+            rc = 2
+            continue
+        print(f"OK {path}")
+    return rc
+
+
 # Flags only the engine run has; the core-only simulation says it ignores them.
 ENGINE_ONLY = ("compare_no_offload", "plot", "metrics_port")
 
@@ -308,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
                      help="keep serving metrics this long after the run (default 0)")
     run.set_defaults(func=cmd_run)
-    add_validate_parser(sub)
+    add_validate_parser(sub).set_defaults(func=cmd_validate_config)
     return ap
 
 

@@ -3,7 +3,6 @@ reference (docs/config.md is generated from the models and must be up to date)."
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 from pathlib import Path
@@ -22,19 +21,8 @@ CONFIGS = sorted((REPO / "configs").iterdir())
 
 
 def validate_cli(argv: list[str]) -> int:
-    """``kvplugin validate-config ...`` through kvplugin.cli.main once the command is wired
-    there; until then through its own module (the same parser and handler)."""
-    sub = next(a for a in cli.build_parser()._actions
-               if isinstance(a, argparse._SubParsersAction))
-    if "validate-config" in sub.choices:
-        return cli.main(argv)
-    from kvplugin import validate_cli as vc
-
-    ap = argparse.ArgumentParser(prog="kvplugin")
-    vc.add_parser(ap.add_subparsers(dest="command", required=True))
-    args = ap.parse_args(argv)
-    rc: int = args.func(args)
-    return rc
+    """``kvplugin validate-config ...`` through kvplugin.cli.main."""
+    return cli.main(argv)
 
 
 @pytest.fixture(autouse=True)
