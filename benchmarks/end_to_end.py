@@ -64,11 +64,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvplugin.config import KVPluginConfig, validate
+from kvplugin.aio.loop import run, uvloop_available
+from kvplugin.config import validate
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
 from kvplugin.costs import model_cost
-from kvplugin.engine.loop import run, uvloop_available
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.quantiles import Quantiles
 from kvplugin.engine.report import RunReport
 from kvplugin.engine.run import serve
@@ -127,7 +128,7 @@ def pool_blocks(setup: Setup, qa: MultiRoundQA) -> int:
 def config(setup: Setup, qa: MultiRoundQA, page: Page, tiers: str, *, real_time: bool,
            redis_url: str | None = None, cost_aware: bool | None = None,
            tier_links: dict[str, dict[str, float]] | None = None,
-           name: str = "e2e") -> KVPluginConfig:
+           name: str = "e2e") -> RunConfig:
     """The deployment; ``tiers``: off, memory, memory+disk, memory+redis or redis."""
     ws_bytes = qa.working_set_tokens * page.token_bytes
     parts = set(tiers.split("+"))
@@ -158,7 +159,7 @@ def config(setup: Setup, qa: MultiRoundQA, page: Page, tiers: str, *, real_time:
         "engine": {"model_cost": setup.model_cost, "tier_links": tier_links or {},
                    "uvloop": setup.uvloop, "deterministic": not real_time},
         "limits": {"max_num_batched_tokens": setup.budget, "max_num_seqs": setup.max_seqs},
-    }, "end_to_end")
+    }, "end_to_end", schema=RunConfig)
 
 
 # --------------------------------------------------------------------------- one run
@@ -243,7 +244,7 @@ def qa_run(a: argparse.Namespace, qa: MultiRoundQA) -> QARun:
     return QARun(qa, specs, warm_s, warm_s + a.warmup_gaps * qa.gap_s)
 
 
-def serve_qa(cfg: KVPluginConfig, label: str, qr: QARun, *,
+def serve_qa(cfg: RunConfig, label: str, qr: QARun, *,
              wrap: Callable[[Connector], Connector] | None = None) -> Point:
     qa = qr.qa
     window = Window(qr.measure_from_s)

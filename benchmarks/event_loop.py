@@ -42,15 +42,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplugin.aio.loop import new_event_loop, uvloop_available
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import OffloadConfig, StoreMode
 from kvplugin.config import KVPluginConfig, validate
 from kvplugin.connectors.base import Connector, PutItem
 from kvplugin.connectors.disk import default_io_threads
 from kvplugin.core.request import Request
-from kvplugin.engine.build import build_connector, build_core
-from kvplugin.engine.loop import LagProbe, new_event_loop, uvloop_available
+from kvplugin.engine.build import build_connector
+from kvplugin.engine.loop import LagProbe
 from kvplugin.engine.quantiles import Quantiles
+from kvplugin.layouts import build_core
 from kvplugin.serde import Block
 
 BLOCK = 16  # tokens per block

@@ -35,11 +35,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvplugin.config import KVPluginConfig, validate
+from kvplugin.aio.loop import run, uvloop_available
+from kvplugin.config import validate
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.faults import LocalRedisServer
 from kvplugin.engine.build import Deployment, deployment
-from kvplugin.engine.loop import LagProbe, run, uvloop_available
+from kvplugin.engine.config import RunConfig
+from kvplugin.engine.loop import LagProbe
 from kvplugin.engine.scheduler import Engine, Result
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate
 
@@ -51,7 +53,7 @@ MAX_IN_FLIGHT = 64
 
 
 def soak_config(*, requests: int, seed: int, redis_url: str, fault_rate: float = 0.1,
-                tenants: int = 4, requests_per_s: float = 400.0) -> KVPluginConfig:
+                tenants: int = 4, requests_per_s: float = 400.0) -> RunConfig:
     """Short requests on a small pool (evicted prefixes come back from the tiers), tiers
     small enough to evict (every one of them serves hits), no simulated model time."""
     return validate({
@@ -68,7 +70,7 @@ def soak_config(*, requests: int, seed: int, redis_url: str, fault_rate: float =
                      "think_time_ms": [0, 2]},
         # latency up to 80 ms: past the 50 ms lookup deadline now and then (a timeout).
         "faults": {"rate": fault_rate, "seed": seed, "latency_ms": 80.0},
-    }, "soak")
+    }, "soak", schema=RunConfig)
 
 
 def rss_kb() -> int:
@@ -253,13 +255,13 @@ class SoakReport:
         return out
 
 
-def max_prompt_len(cfg: KVPluginConfig) -> int:
+def max_prompt_len(cfg: RunConfig) -> int:
     """Prompts that fit the pool twice over with their answers (as ``kvplugin run``)."""
     pool_tokens = (cfg.layout.num_blocks - 1) * cfg.layout.block_size // len(cfg.layout.groups)
     return min(cfg.layout.max_model_len, pool_tokens // 2) - cfg.workload.output_len[1]
 
 
-async def soak(cfg: KVPluginConfig, outage: Outage | None = None, *,
+async def soak(cfg: RunConfig, outage: Outage | None = None, *,
                rss_mark: int | None = None) -> SoakReport:
     """Serve the config's workload on its deployment, with the outage and RSS readings at
     their milestones; then drain the manager and count what is left."""

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvplugin.config import KVPluginConfig
+    from kvplugin.engine.config import RunConfig
 
 
 def _stem(path: str) -> str:
@@ -109,13 +109,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1 if result["summary"]["num_errors"] else 0
 
     from kvplugin.config import ConfigError, load_config
+    from kvplugin.engine.config import RunConfig
 
     problem = _check_run_flags(args)
     if problem is not None:
         print(f"kvplugin run: {problem}", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, schema=RunConfig)
     except ConfigError as e:
         print(f"kvplugin run: {e}", file=sys.stderr)
         return 2
@@ -137,7 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.core_only or args.save_trace:
         return _run_core(cfg, args, source)
     from kvplugin.config import unresolved_remote_url
-    from kvplugin.engine.build import check_workload, engine_supports
+    from kvplugin.engine.build import check_workload
+    from kvplugin.layouts import engine_supports
 
     waiting = unresolved_remote_url(cfg.offload.remote_url) if cfg.offload.enabled else None
     if waiting is not None:
@@ -158,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_engine(cfg, args, source)
 
 
-def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
+def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     from kvplugin.engine.progress import ProgressBar, wanted
     from kvplugin.engine.report import compare_table, comparison
     from kvplugin.engine.run import TierUnavailable, run_compare, run_engine
@@ -205,6 +207,29 @@ def _run_engine(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> i
     return 0 if on.ok() and (off is None or off.ok()) else 1
 
 
+def cmd_validate_config(args: argparse.Namespace) -> int:
+    """``kvplugin validate-config`` (:mod:`kvplugin.validate_cli`): each file loaded as
+    ``kvplugin run`` loads it, the manager built over it, the workload's tenancy checked."""
+    from kvplugin.config import CONFIG_FILE_ENV, ConfigError, load_config
+    from kvplugin.engine.build import check_workload
+    from kvplugin.engine.config import RunConfig
+    from kvplugin.validate_cli import check_manager
+
+    env = {} if args.no_env else {k: v for k, v in os.environ.items() if k != CONFIG_FILE_ENV}
+    rc = 0
+    for path in args.files:
+        try:
+            cfg = load_config(path, env, schema=RunConfig)
+            check_manager(cfg, path)
+            check_workload(cfg, path)
+        except ConfigError as e:
+            print(f"kvplugin validate-config: {e}", file=sys.stderr)
+            rc = 2
+            continue
+        print(f"OK {path}")
+    return rc
+
+
 # Flags only the engine run has; the core-only simulation says it ignores them.
 ENGINE_ONLY = ("compare_no_offload", "plot", "metrics_port")
 
@@ -227,7 +252,7 @@ def _check_run_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _run_core(cfg: KVPluginConfig, args: argparse.Namespace, source: str) -> int:
+def _run_core(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     from kvplugin.sim import Simulation
 
     ignored = [f"--{f.replace('_', '-')}" for f in ENGINE_ONLY if getattr(args, f)
@@ -306,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
                      help="keep serving metrics this long after the run (default 0)")
     run.set_defaults(func=cmd_run)
-    add_validate_parser(sub)
+    add_validate_parser(sub).set_defaults(func=cmd_validate_config)
     return ap
 
 

@@ -23,15 +23,15 @@ import typing
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar, overload
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-if TYPE_CHECKING:
-    from kvplugin.aio.tenants import PrefixGroup, TenantPolicy, TenantQuota
+from kvplugin.aio.tenants import PrefixGroup, TenantPolicy, TenantQuota, check_name
+from kvplugin.registry import RegistryError, check_options, resolve
 
 ENV_PREFIX = "KVPLUGIN_"
 CONFIG_FILE_ENV = "KVPLUGIN_CONFIG_FILE"  # the file load_config(None) reads, when set
@@ -151,61 +151,7 @@ class LayoutConfig(_Strict):
         return d
 
 
-# ----------------------------------------------------------------------------- traffic
-
-
-class WorkloadConfig(_Strict):
-    """The reference engine's traffic (``kvplugin run``) and the core-only simulation's.
-    Ranges are ``[lo, hi]`` in tokens (or ms)."""
-
-    num_requests: int = Field(default=48, ge=1, description="requests to serve")
-    num_system_prompts: int = Field(default=3, ge=1, description="distinct system prompts")
-    system_prompt_len: tuple[int, int] = Field(default=(32, 256),
-                                               description="system prompt length range")
-    user_len: tuple[int, int] = Field(default=(8, 160), description="user message length range")
-    output_len: tuple[int, int] = Field(default=(1, 48), description="answer length range")
-    follow_up_prob: float = Field(default=0.35, ge=0, le=1, description="share of follow-ups "
-                                  "(resending the conversation so far plus a new message)")
-    resend_prob: float = Field(default=0.1, ge=0, le=1,
-                               description="share of exact resends of an earlier prompt")
-    salt_prob: float = Field(default=0.1, ge=0, le=1,
-                             description="share of requests with a user cache salt")
-    lora_prob: float = Field(default=0.1, ge=0, le=1,
-                             description="share of requests with a LoRA adapter")
-    arrivals_per_step: float = Field(default=1.5, gt=0,
-                                     description="arrivals per step (core-only simulation)")
-    vocab: int = Field(default=32000, ge=2, description="vocabulary size")
-    seed: int = Field(default=0, description="the workload's seed: a run repeats exactly")
-    # The engine's workload (kvplugin.engine.workload): tenants share the system prompts'
-    # tokens (the tiers must still keep them apart), ask about their own documents, and
-    # arrive in real time; a follow-up comes a think time after its parent's answer.
-    num_tenants: int = Field(default=3, ge=1, description="tenants (tenant0, tenant1, ...); "
-                             "with tenants.declared: their number, which is the default")
-    num_documents: int = Field(default=2, ge=1, description="documents per tenant")
-    document_len: tuple[int, int] = Field(default=(256, 768),
-                                          description="document length range")
-    doc_qa_prob: float = Field(default=0.25, ge=0, le=1,
-                               description="share of questions about a tenant's document")
-    # Below the default deployment's capacity (~90 requests/s of simulated time): an open
-    # loop above it queues without bound, and a longer run then only waits longer (its TTFT
-    # and its memory grow with the number of requests).
-    requests_per_s: float = Field(default=50.0, gt=0,
-                                  description="Poisson arrival rate (engine)")
-    think_time_ms: tuple[int, int] = Field(default=(0, 20), description="delay range between "
-                                           "an answer and its follow-up, ms")
-
-    @model_validator(mode="after")
-    def _ranges(self) -> WorkloadConfig:
-        lo, hi = self.think_time_ms
-        if not 0 <= lo <= hi:
-            raise ValueError("think_time_ms must be a range [lo, hi] with 0 <= lo <= hi")
-        for name in ("system_prompt_len", "user_len", "output_len", "document_len"):
-            lo, hi = getattr(self, name)
-            if not 0 < lo <= hi:
-                raise ValueError(f"{name} must be a range [lo, hi] with 0 < lo <= hi")
-        if self.follow_up_prob + self.resend_prob > 1:
-            raise ValueError("follow_up_prob + resend_prob must not exceed 1")
-        return self
+# ----------------------------------------------------------------------------- limits
 
 
 class LimitsConfig(_Strict):
@@ -416,9 +362,6 @@ def directory_problem(path: str) -> str | None:
 
 
 def _connector_problems(spec: ConnectorSpec) -> list[tuple[Loc, str]]:
-    # Imported here: the registry imports the connectors (a config alone should not).
-    from kvplugin.registry import RegistryError, check_options, resolve
-
     try:
         factory = resolve(spec.kind)
     except RegistryError as e:
@@ -548,13 +491,11 @@ class TenantQuotaConfig(_Strict):
     def _runtime(self) -> TenantQuotaConfig:
         _fail("quota", [(("max_tier_bytes", t), f"must be an int >= 0, got {n}")
                         for t, n in self.max_tier_bytes.items() if n < 0])
-        if self.model_fields_set:  # the default is valid: spare a config the aio imports
+        if self.model_fields_set:  # the default is valid: nothing to check
             self.quota()
         return self
 
     def quota(self) -> TenantQuota:
-        from kvplugin.aio.tenants import TenantQuota
-
         q: TenantQuota = _surface("quota", (), lambda: TenantQuota(
             self.max_blocks_in_use, self.max_cached_blocks, dict(self.max_tier_bytes)))
         return q
@@ -579,8 +520,6 @@ class PrefixGroupConfig(_Strict):
         return self
 
     def group(self) -> PrefixGroup:
-        from kvplugin.aio.tenants import PrefixGroup
-
         g: PrefixGroup = _surface("prefix group", (), lambda: PrefixGroup(
             self.name, frozenset(self.tenants), self.max_prefix_tokens,
             self.max_cached_blocks))
@@ -605,8 +544,6 @@ class TenantsConfig(_Strict):
     def _runtime(self) -> TenantsConfig:
         if not self.model_fields_set:
             return self  # the open policy, no quota, no group: nothing to check
-        from kvplugin.aio.tenants import check_name
-
         problems: list[tuple[Loc, str]] = []
         for name in self.declared or {}:
             try:
@@ -633,8 +570,6 @@ class TenantsConfig(_Strict):
     def policy(self, *, tier_quotas: bool = True) -> TenantPolicy:
         """The manager's tenant policy; ``tier_quotas=False`` (offload off: no tier to
         limit) leaves the tier byte quotas out."""
-        from kvplugin.aio.tenants import TenantPolicy
-
         def quota(q: TenantQuotaConfig) -> TenantQuota:
             return q.quota() if tier_quotas else q.model_copy(update={"max_tier_bytes": {}}
                                                               ).quota()
@@ -654,7 +589,9 @@ class KVPluginConfig(_Strict):
     engine's traffic, limits and fault drills."""
 
     layout: LayoutConfig = Field(default_factory=LayoutConfig, description="the KV-cache layout")
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig,
+    # The demo engine's section: the library keeps it as given (kvplugin.engine.config's
+    # RunConfig validates it, for kvplugin run and validate-config).
+    workload: dict[str, Any] = Field(default_factory=dict,
                                      description="the reference engine's traffic")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="scheduler limits")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the KV page shape")
@@ -665,21 +602,6 @@ class KVPluginConfig(_Strict):
     faults: FaultsConfig = Field(default_factory=FaultsConfig, description="fault drills")
     tenants: TenantsConfig = Field(default_factory=TenantsConfig,
                                    description="tenants, quotas, shared prefix groups")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tenant_count(cls, data: Any) -> Any:
-        """With declared tenants the workload serves them all: num_tenants defaults to
-        their number (set explicitly, it must agree)."""
-        if not isinstance(data, dict):
-            return data
-        declared = (data.get("tenants") or {}).get("declared") if isinstance(
-            data.get("tenants"), dict) else getattr(data.get("tenants"), "declared", None)
-        workload = data.get("workload", {})
-        if isinstance(declared, dict) and declared and isinstance(workload, dict) \
-                and "num_tenants" not in workload:
-            data = {**data, "workload": {**workload, "num_tenants": len(declared)}}
-        return data
 
     @model_validator(mode="after")
     def _across(self) -> KVPluginConfig:
@@ -768,9 +690,9 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return where + (f"{problem} ({context})" if context else str(problem))
 
 
-def _field_type(path: list[str]) -> Any:
+def _field_type(path: list[str], schema: type[KVPluginConfig]) -> Any:
     """The annotation of the key at ``path`` (None when the path leaves the models)."""
-    ann: Any = KVPluginConfig
+    ann: Any = schema
     for part in path:
         ann = _unwrap(ann)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
@@ -794,8 +716,8 @@ def _unwrap(ann: Any) -> Any:
     return ann
 
 
-def _env_value(name: str, path: list[str], raw: str) -> Any:
-    ann = _field_type(path)
+def _env_value(name: str, path: list[str], raw: str, schema: type[KVPluginConfig]) -> Any:
+    ann = _field_type(path, schema)
     if _unwrap(ann) is str and raw not in ("null", "~"):
         return raw  # a string key keeps its text: a model name or hash seed may look numeric
     try:
@@ -805,7 +727,7 @@ def _env_value(name: str, path: list[str], raw: str) -> Any:
                           f"{raw!r}: {e}") from None
 
 
-def _env_overrides(data: dict[str, Any], env: Mapping[str, str]
+def _env_overrides(data: dict[str, Any], env: Mapping[str, str], schema: type[KVPluginConfig]
                    ) -> tuple[dict[str, Any], dict[Loc, str]]:
     """The data with the overrides applied, and which variable set which key path."""
     out: dict[str, Any] = json.loads(json.dumps(data))  # deep copy of plain data
@@ -831,7 +753,7 @@ def _env_overrides(data: dict[str, Any], env: Mapping[str, str]
                                   f"is a value, not a section")
             path.append(key)
             if last:
-                node[key] = _env_value(name, [str(p) for p in path], env[name])
+                node[key] = _env_value(name, [str(p) for p in path], env[name], schema)
             else:
                 if isinstance(node, dict) and node.get(key) is None:
                     node[key] = {}  # a section the file left out
@@ -840,11 +762,12 @@ def _env_overrides(data: dict[str, Any], env: Mapping[str, str]
     return out, origins
 
 
-def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+def apply_env_overrides(data: dict[str, Any], env: Mapping[str, str], *,
+                        schema: type[KVPluginConfig] = KVPluginConfig) -> dict[str, Any]:
     """``KVPLUGIN_LAYOUT__NUM_BLOCKS=64`` sets ``layout.num_blocks``; deeper keys the same
     way (``KVPLUGIN_TENANTS__DEFAULT_QUOTA__MAX_BLOCKS_IN_USE=8``, list items by index:
-    ``KVPLUGIN_LAYOUT__GROUPS__0__KIND=full``)."""
-    return _env_overrides(data, env)[0]
+    ``KVPLUGIN_LAYOUT__GROUPS__0__KIND=full``). ``schema`` says which keys are strings."""
+    return _env_overrides(data, env, schema)[0]
 
 
 def _describe(e: ValidationError, source: str, origins: Mapping[Loc, str]) -> str:
@@ -862,18 +785,39 @@ def _describe(e: ValidationError, source: str, origins: Mapping[Loc, str]) -> st
     return "\n".join(lines)
 
 
+# A config schema: KVPluginConfig, or an engine's extension of it (kvplugin run's RunConfig
+# validates the workload section the library keeps as given).
+C = TypeVar("C", bound=KVPluginConfig)
+
+
+@overload
+def validate(data: dict[str, Any], source: str = ...,
+             origins: Mapping[Loc, str] | None = ...) -> KVPluginConfig: ...
+@overload
+def validate(data: dict[str, Any], source: str = ..., origins: Mapping[Loc, str] | None = ...,
+             *, schema: type[C]) -> C: ...
 def validate(data: dict[str, Any], source: str = "<config>",
-             origins: Mapping[Loc, str] | None = None) -> KVPluginConfig:
+             origins: Mapping[Loc, str] | None = None, *,
+             schema: type[KVPluginConfig] = KVPluginConfig) -> KVPluginConfig:
+    """``data`` validated as ``schema``; ConfigError (source, key path, reason) if not."""
     try:
-        return KVPluginConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_describe(e, source, origins or {})) from None
 
 
+@overload
+def load_config(path: str | os.PathLike[str] | None = ...,
+                env: Mapping[str, str] | None = ...) -> KVPluginConfig: ...
+@overload
+def load_config(path: str | os.PathLike[str] | None = ..., env: Mapping[str, str] | None = ...,
+                *, schema: type[C]) -> C: ...
 def load_config(path: str | os.PathLike[str] | None = None,
-                env: Mapping[str, str] | None = None) -> KVPluginConfig:
+                env: Mapping[str, str] | None = None, *,
+                schema: type[KVPluginConfig] = KVPluginConfig) -> KVPluginConfig:
     """Load a config file: ``path``, else the file ``KVPLUGIN_CONFIG_FILE`` names, else the
-    embedded default; then apply the environment's overrides (``env``: os.environ)."""
+    embedded default; then apply the environment's overrides (``env``: os.environ) and
+    validate it as ``schema`` (kvplugin run: the engine's RunConfig)."""
     env = os.environ if env is None else env
     if path is None and env.get(CONFIG_FILE_ENV):
         path = env[CONFIG_FILE_ENV]
@@ -890,9 +834,9 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"{source}: cannot read: {e.strerror}") from None
         suffix = p.suffix.lower()
     data = _parse(text, suffix, source)
-    data, origins = _env_overrides(data, env)
+    data, origins = _env_overrides(data, env, schema)
     _resolve_env_refs(data, env, origins)
-    return validate(data, source, origins)
+    return validate(data, source, origins, schema=schema)
 
 
 def _resolve_env_refs(data: dict[str, Any], env: Mapping[str, str],

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -51,12 +51,8 @@ from kvplugin.aio.tenants import TenantStats
 from kvplugin.aio.values import Histogram, Latency, OffloadStats, Residency
 from kvplugin.connectors.base import ConnectorStats
 
-if TYPE_CHECKING:
-    from kvplugin.engine.build import Deployment
-    from kvplugin.plugin import Plugin
-
-__all__ = ["METRICS", "METRIC_NAMES", "MetricsServer", "build_registry", "snapshot",
-           "start_metrics_server"]
+__all__ = ["METRICS", "METRIC_NAMES", "ManagerSource", "MetricsServer", "build_registry",
+           "snapshot", "start_metrics_server"]
 
 SCRAPE_TIMEOUT = 2.0  # seconds a scrape waits for the event loop's snapshot
 
@@ -208,15 +204,21 @@ def snapshot(mgr: AsyncKVManager, labels: Sequence[str]) -> Snapshot:
         store_bytes_in_flight=mgr.store_bytes_in_flight)
 
 
-def _manager_of(source: Plugin | Deployment | AsyncKVManager
-                ) -> tuple[AsyncKVManager, list[str]]:
-    mgr = source if isinstance(source, AsyncKVManager) else (
-        getattr(source, "mgr", None) or getattr(source, "manager", None))
+class ManagerSource(Protocol):
+    """What holds a deployment's manager: a loaded :class:`~kvplugin.plugin.Plugin`, an
+    engine's deployment (the reference engine's ``Deployment``), any engine's own."""
+
+    @property
+    def manager(self) -> AsyncKVManager: ...
+
+
+def _manager_of(source: ManagerSource | AsyncKVManager) -> AsyncKVManager:
+    # getattr, not the attribute: anything else gets a TypeError that says what is wanted.
+    mgr = source if isinstance(source, AsyncKVManager) else getattr(source, "manager", None)
     if not isinstance(mgr, AsyncKVManager):
         raise TypeError(f"metrics need a Plugin, a Deployment or an AsyncKVManager, got "
                         f"{type(source).__name__}")
-    labels = getattr(source, "tier_labels", None)
-    return mgr, list(mgr.tiers if labels is None else labels)
+    return mgr
 
 
 # --------------------------------------------------------------------------- collector
@@ -432,13 +434,14 @@ def _gauges(s: Snapshot) -> Iterator[Metric]:
 # --------------------------------------------------------------------------- registry, server
 
 
-def build_registry(source: Plugin | Deployment | AsyncKVManager, *,
+def build_registry(source: ManagerSource | AsyncKVManager, *,
                    loop: asyncio.AbstractEventLoop | None = None,
                    timeout: float = SCRAPE_TIMEOUT) -> CollectorRegistry:
     """A private registry reading ``source``'s manager at scrape time. ``loop``: the
     manager's event loop (default: the running one, if any), where scrapes from other
     threads take their snapshot."""
-    mgr, labels = _manager_of(source)
+    mgr = _manager_of(source)
+    labels = list(mgr.tiers)  # a tier's name, as the run report and the plugin name it
     if loop is None:
         loop = _running_loop()
     registry = CollectorRegistry(auto_describe=False)  # describing would scrape now
@@ -500,7 +503,7 @@ class MetricsServer:
         self.close()
 
 
-def start_metrics_server(source: Plugin | Deployment | AsyncKVManager, *, port: int,
+def start_metrics_server(source: ManagerSource | AsyncKVManager, *, port: int,
                          host: str = "127.0.0.1",
                          timeout: float = SCRAPE_TIMEOUT) -> MetricsServer:
     """Serve ``source``'s metrics on ``http://host:port/metrics`` (``port=0``: a free port,

@@ -44,7 +44,7 @@ from kvplugin.connectors.faults import FaultInjector, FaultPlan
 from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.costs import ModelCost, TierLink, model_cost
-from kvplugin.engine.layouts import build_core
+from kvplugin.layouts import build_core
 from kvplugin.registry import RegistryError, create
 
 __all__ = [

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplugin.config import LimitsConfig as Limits
-from kvplugin.config import WorkloadConfig as Workload
+from kvplugin.engine.config import WorkloadConfig as Workload
 from kvplugin.replay import FORMAT_TRACE, Replayer
 
 __all__ = ["Limits", "SimResult", "Simulation", "Workload"]

@@ -20,18 +20,18 @@ exit 2, each invalid file's errors (file, key path, reason) on stderr.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvplugin.config import KVPluginConfig
 
-__all__ = ["add_parser", "cmd_validate_config"]
+__all__ = ["add_parser", "check_manager"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``validate-config`` command to ``kvplugin``'s subparsers."""
+    """Add the ``validate-config`` command to ``kvplugin``'s subparsers; its handler is
+    :func:`kvplugin.cli.cmd_validate_config` (which loads the files as ``kvplugin run``
+    does, with the engine's schema: the library here never imports the engine)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "validate-config", help="validate deployment configs (exit 2 if any is invalid)",
         description=__doc__,
@@ -39,36 +39,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE", help="config files (YAML / TOML / JSON)")
     p.add_argument("--no-env", action="store_true",
                    help="ignore KVPLUGIN_* environment overrides: the files alone")
-    p.set_defaults(func=cmd_validate_config)
     return p
 
 
-def cmd_validate_config(args: argparse.Namespace) -> int:
-    from kvplugin.config import CONFIG_FILE_ENV, ConfigError, load_config
-    from kvplugin.engine.build import check_workload
-
-    env = {} if args.no_env else {k: v for k, v in os.environ.items() if k != CONFIG_FILE_ENV}
-    rc = 0
-    for path in args.files:
-        try:
-            cfg = load_config(path, env)
-            _check_manager(cfg, path)
-            check_workload(cfg, path)
-        except ConfigError as e:
-            print(f"kvplugin validate-config: {e}", file=sys.stderr)
-            rc = 2
-            continue
-        print(f"OK {path}")
-    return rc
-
-
-def _check_manager(cfg: KVPluginConfig, source: str) -> None:
+def check_manager(cfg: KVPluginConfig, source: str) -> None:
     """Build the offload manager over the layout, on a throw-away memory tier (no real tier
     is built: validating must not create directories or connect anywhere)."""
     from kvplugin.aio.manager import AsyncKVManager
     from kvplugin.config import ConfigError
     from kvplugin.connectors.memory import MemoryConnector
-    from kvplugin.engine.layouts import build_core, engine_supports
+    from kvplugin.layouts import build_core, engine_supports
     from kvplugin.plugin import offload_config
 
     if not cfg.offload.enabled or engine_supports(cfg.layout, cfg.model) is not None:

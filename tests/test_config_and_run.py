@@ -11,9 +11,10 @@ import pytest
 from redis_fixture import local_redis
 
 from kvplugin.config import ConfigError, apply_env_overrides, load_config, validate
-from kvplugin.engine.build import engine_supports
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.report import decided
 from kvplugin.engine.run import run_engine
+from kvplugin.layouts import engine_supports
 from kvplugin.replay import run_trace
 from kvplugin.sim import Limits, Simulation, Workload
 
@@ -22,7 +23,7 @@ __all__ = ["local_redis"]  # the fixture, imported for pytest
 
 
 def test_embedded_default_loads() -> None:
-    cfg = load_config(env={})
+    cfg = load_config(env={}, schema=RunConfig)
     assert cfg.layout.num_blocks == 160
     assert [g.kind for g in cfg.layout.groups] == ["full"]
     assert cfg.layout.as_trace_config()["groups"] == [{"kind": "full"}]
@@ -41,7 +42,7 @@ CORE_ONLY: dict[str, str] = {}
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").iterdir()), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest) -> None:
-    cfg = load_config(path, env={})
+    cfg = load_config(path, env={}, schema=RunConfig)
     if cfg.offload.remote_url is not None:  # never the file's server: the test's own
         server = request.getfixturevalue("local_redis")
         cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(
@@ -99,7 +100,7 @@ def test_unknown_key_is_rejected_with_file_and_path(tmp_path: Path) -> None:
 ])
 def test_invalid_values_name_the_problem(doc: dict, where: str) -> None:
     with pytest.raises(ConfigError, match=r"(?s)invalid configuration.*") as e:
-        validate(doc, "t.yaml")
+        validate(doc, "t.yaml", schema=RunConfig)
     assert where in str(e.value)
 
 

@@ -3,7 +3,6 @@ reference (docs/config.md is generated from the models and must be up to date)."
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 from pathlib import Path
@@ -15,25 +14,15 @@ from pydantic import BaseModel
 from kvplugin import cli
 from kvplugin.config import ConfigError, KVPluginConfig, load_config, validate
 from kvplugin.engine.build import workload_tenancy
+from kvplugin.engine.config import RunConfig, WorkloadConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").iterdir())
 
 
 def validate_cli(argv: list[str]) -> int:
-    """``kvplugin validate-config ...`` through kvplugin.cli.main once the command is wired
-    there; until then through its own module (the same parser and handler)."""
-    sub = next(a for a in cli.build_parser()._actions
-               if isinstance(a, argparse._SubParsersAction))
-    if "validate-config" in sub.choices:
-        return cli.main(argv)
-    from kvplugin import validate_cli as vc
-
-    ap = argparse.ArgumentParser(prog="kvplugin")
-    vc.add_parser(ap.add_subparsers(dest="command", required=True))
-    args = ap.parse_args(argv)
-    rc: int = args.func(args)
-    return rc
+    """``kvplugin validate-config ...`` through kvplugin.cli.main."""
+    return cli.main(argv)
 
 
 @pytest.fixture(autouse=True)
@@ -61,8 +50,8 @@ def test_the_issue_configs_are_shipped() -> None:
 
 @pytest.mark.parametrize("stem", ["multi_tenant", "tiered"])
 def test_toml_twins_validate_to_the_same_config(stem: str) -> None:
-    y = load_config(REPO / "configs" / f"{stem}.yaml", env={})
-    t = load_config(REPO / "configs" / f"{stem}.toml", env={})
+    y = load_config(REPO / "configs" / f"{stem}.yaml", env={}, schema=RunConfig)
+    t = load_config(REPO / "configs" / f"{stem}.toml", env={}, schema=RunConfig)
     assert y == t
     assert y.model_dump() == t.model_dump()
 
@@ -77,7 +66,7 @@ def test_shipped_tier_layouts() -> None:
 
 
 def test_multi_tenant_declares_quotas_and_a_shared_prefix() -> None:
-    cfg = load_config(REPO / "configs" / "multi_tenant.yaml", env={})
+    cfg = load_config(REPO / "configs" / "multi_tenant.yaml", env={}, schema=RunConfig)
     t = cfg.tenants
     assert list(t.declared or {}) == ["acme", "globex", "initech"]
     assert cfg.workload.num_tenants == 3  # defaulted to the declared tenants
@@ -235,7 +224,7 @@ def test_workload_rules_bind_kvplugin_run_not_the_plugin() -> None:
     """A deployment may share a short prefix among tenants the reference workload does not
     know: valid for an engine loading the plugin, refused by the workload (kvplugin run)."""
     cfg = validate({"tenants": {"prefix_groups": [
-        {"name": "g", "tenants": ["ann", "bob"], "max_prefix_tokens": 100}]}})
+        {"name": "g", "tenants": ["ann", "bob"], "max_prefix_tokens": 100}]}}, schema=RunConfig)
     assert cfg.tenants.policy().groups[0].max_prefix_tokens == 100
     with pytest.raises(ConfigError) as e:
         workload_tenancy(cfg)
@@ -246,7 +235,8 @@ def test_workload_rules_bind_kvplugin_run_not_the_plugin() -> None:
         "  tenants.prefix_groups.0.max_prefix_tokens: 100 is below "
         "workload.system_prompt_len's upper bound 256: the workload declares whole system "
         "prompts shared"]
-    declared = validate({"tenants": {"declared": {"ann": {}}}, "workload": {"num_tenants": 2}})
+    declared = validate({"tenants": {"declared": {"ann": {}}}, "workload": {"num_tenants": 2}},
+                        schema=RunConfig)
     with pytest.raises(ConfigError, match="num_tenants 2 disagrees"):
         workload_tenancy(declared)
 
@@ -275,9 +265,35 @@ def test_declared_tenants_from_the_environment() -> None:
     assert cfg.tenants.prefix_groups[0].max_prefix_tokens == 300
     # A whole mapping replaces the declared tenants; num_tenants follows them.
     other = load_config(REPO / "configs" / "redis.yaml",
-                        env={"KVPLUGIN_TENANTS__DECLARED": "{alpha: {}, beta: {}}"})
+                        env={"KVPLUGIN_TENANTS__DECLARED": "{alpha: {}, beta: {}}"},
+                        schema=RunConfig)
     assert list(other.tenants.declared or {}) == ["alpha", "beta"]
     assert other.workload.num_tenants == 2
+
+
+def test_the_workload_is_the_engines_and_the_library_keeps_it_as_given(
+        tmp_path: Path) -> None:
+    """load_plugin's schema keeps the workload section unread; kvplugin run's (RunConfig)
+    validates it: unknown keys, bounds and environment overrides, with the same errors."""
+    f = tmp_path / "w.yaml"
+    f.write_text("workload: {num_requests: 5, bogus: 1}\n")
+    assert load_config(f, env={}).workload == {"num_requests": 5, "bogus": 1}
+    with pytest.raises(ConfigError) as e:
+        load_config(f, env={}, schema=RunConfig)
+    assert str(e.value).splitlines() == [f"{f}: invalid configuration",
+                                         "  workload.bogus: Extra inputs are not permitted"]
+    f.write_text("workload: {num_requests: 5}\n")
+    env = {"KVPLUGIN_WORKLOAD__SEED": "9", "KVPLUGIN_WORKLOAD__OUTPUT_LEN": "[2, 4]"}
+    cfg = load_config(f, env=env, schema=RunConfig)
+    assert isinstance(cfg.workload, WorkloadConfig)
+    assert (cfg.workload.num_requests, cfg.workload.seed, cfg.workload.output_len) == (
+        5, 9, (2, 4))
+    assert load_config(f, env=env).workload == {"num_requests": 5, "seed": 9,
+                                                "output_len": [2, 4]}
+    with pytest.raises(ConfigError, match=r"workload\.seed: .*\(set by environment variable "
+                                          r"KVPLUGIN_WORKLOAD__SEED\)"):
+        load_config(f, env={"KVPLUGIN_WORKLOAD__SEED": "x"}, schema=RunConfig)
+    assert isinstance(load_config(env={}), KVPluginConfig)
 
 
 def test_string_keys_keep_their_text() -> None:
@@ -356,7 +372,7 @@ def _models(model: type[BaseModel], seen: set[type[BaseModel]]) -> None:
 
 def test_every_key_is_described_in_the_reference() -> None:
     models: set[type[BaseModel]] = set()
-    _models(KVPluginConfig, models)
+    _models(RunConfig, models)  # what the reference documents: every key kvplugin run reads
     assert len(models) == 14
     doc = (REPO / "docs" / "config.md").read_text()
     for model in models:

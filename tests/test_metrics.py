@@ -22,9 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import BOUNDS, Histogram, OffloadConfig
-from kvplugin.config import KVPluginConfig, validate
+from kvplugin.config import validate
 from kvplugin.engine.build import Deployment, deployment
-from kvplugin.engine.layouts import build_core
+from kvplugin.engine.config import RunConfig
+from kvplugin.layouts import build_core
 from kvplugin.metrics import (
     METRIC_NAMES,
     METRICS,
@@ -55,8 +56,8 @@ WAVE = [(t, [*range(1000 * (i + 1), 1000 * (i + 1) + 16), *range(100 * j, 100 * 
 Values = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def config() -> KVPluginConfig:
-    return validate(DOC, "test")
+def config() -> RunConfig:
+    return validate(DOC, "test", schema=RunConfig)
 
 
 async def serve_waves(dep: Deployment, waves: int = 3,
@@ -119,7 +120,7 @@ async def test_a_tier_whose_writes_fail_is_charged_no_stored_bytes() -> None:
                               "store_timeout_ms": 200,
                               "lookup_timeout_ms": 50},
            "faults": {"rate": 0.0}}
-    async with deployment(validate(doc, "test")) as dep:
+    async with deployment(validate(doc, "test", schema=RunConfig)) as dep:
         await serve_waves(dep, waves=2)
         v = parse(generate_latest(build_registry(dep)).decode())
         s = dep.mgr.stats()
@@ -275,6 +276,22 @@ async def test_offload_off_shows_the_device_only() -> None:
 def test_registry_needs_a_manager() -> None:
     with pytest.raises(TypeError, match="Deployment or an AsyncKVManager"):
         build_registry(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_any_holder_of_a_manager_is_a_source() -> None:
+    """An engine's own deployment object needs only a ``manager`` (ManagerSource); the
+    reference engine's Deployment has one too, beside its ``mgr``."""
+
+    class Holder:
+        def __init__(self, mgr: AsyncKVManager) -> None:
+            self.manager = mgr
+
+    async with deployment(config()) as dep:
+        assert dep.manager is dep.mgr
+        for source in (Holder(dep.mgr), dep):
+            v = parse(generate_latest(build_registry(source)).decode())
+            assert value(v, "kvplugin_offload_enabled") == 1
 
 
 @pytest.mark.asyncio
@@ -446,7 +463,7 @@ def test_kvplugin_run_metrics_port_serves_every_metric() -> None:
 @pytest.mark.asyncio
 async def test_block_residency_reaches_the_histograms_once_per_eviction() -> None:
     cfg = validate({**DOC, "layout": {**DOC["layout"], "metrics_collector_sample_rate": 1.0},
-                    "faults": {"rate": 0.0}}, "test")
+                    "faults": {"rate": 0.0}}, "test", schema=RunConfig)
     async with deployment(cfg) as dep:
         collector = dep.mgr.core.metrics_collector
         assert collector is not None and collector.sample_rate == 1.0

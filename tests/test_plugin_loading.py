@@ -17,11 +17,12 @@ import pytest
 
 from kvplugin import registry
 from kvplugin.aio.manager import AsyncKVManager
-from kvplugin.config import ConfigError, KVPluginConfig, load_config, validate
+from kvplugin.config import ConfigError, load_config, validate
 from kvplugin.connectors.disk import DiskConnector
 from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.engine.build import deployment, workload_tenancy
+from kvplugin.engine.config import RunConfig
 from kvplugin.plugin import Plugin, load_plugin
 from kvplugin.registry import RegistryError
 
@@ -197,19 +198,20 @@ def test_the_manager_gets_the_configs_tenant_policy() -> None:
 
 
 def test_workload_tenancy() -> None:
-    cfg = load_config(REPO / "configs" / "multi_tenant.yaml", env={})
+    cfg = load_config(REPO / "configs" / "multi_tenant.yaml", env={}, schema=RunConfig)
     assert workload_tenancy(cfg) == (["acme", "globex", "initech"],
                                      {"shared-system": ["acme", "globex"]})
-    assert workload_tenancy(load_config(env={})) == (None, {})
+    assert workload_tenancy(load_config(env={}, schema=RunConfig)) == (None, {})
     open_groups = validate({"tenants": {"prefix_groups": [
-        {"name": "g", "tenants": ["tenant0", "tenant2"], "max_prefix_tokens": 256}]}})
+        {"name": "g", "tenants": ["tenant0", "tenant2"], "max_prefix_tokens": 256}]}},
+        schema=RunConfig)
     assert workload_tenancy(open_groups) == (None, {"g": ["tenant0", "tenant2"]})
 
 
 def test_the_reference_deployment_builds_on_the_plugin() -> None:
-    cfg = load_config(REPO / "configs" / "multi_tenant.yaml", env={})
+    cfg = load_config(REPO / "configs" / "multi_tenant.yaml", env={}, schema=RunConfig)
 
-    async def main(c: KVPluginConfig) -> tuple[Any, ...]:
+    async def main(c: RunConfig) -> tuple[Any, ...]:
         async with deployment(c) as dep:
             return (dep.tier_labels, type(dep.connector).__name__,
                     dep.mgr.tenants.policy.quota("initech").max_blocks_in_use,

@@ -12,6 +12,8 @@
 * :mod:`kvplugin.aio.keys` — block hashes to namespaced connector keys
 * :mod:`kvplugin.aio.tenants` — tenants: scopes, shared prefix groups, quotas, stats
 * :mod:`kvplugin.aio.values` — settings, results, counters and latency histograms
+* :mod:`kvplugin.aio.loop` — uvloop when installed, the loop-thread adapter for engines that
+  are not async
 
 Modules are imported on demand; none from here.
 """

@@ -6,9 +6,9 @@ drive): vLLM's scheduling rules on an asyncio loop over
 * :mod:`kvplugin.engine.model` — the fake model runner (simulated time, deterministic KV,
   checks of every hit)
 * :mod:`kvplugin.engine.workload` — tenants, chats, follow-ups, document QA, resends
+* :mod:`kvplugin.engine.config` — ``kvplugin run``'s config: the workload section's model
 * :mod:`kvplugin.engine.build` — the deployment (core, tiers, manager) from a config
-* :mod:`kvplugin.engine.layouts` — the layout's group specs, and whether offload serves it
-* :mod:`kvplugin.engine.loop` — uvloop, the loop-thread adapter, the loop-lag probe
+* :mod:`kvplugin.engine.loop` — the loop-lag probe
 * :mod:`kvplugin.engine.threaded` — the engine for synchronous callers, on a loop thread
 * :mod:`kvplugin.engine.run`, :mod:`kvplugin.engine.report` — ``kvplugin run`` and its report
 

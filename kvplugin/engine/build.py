@@ -14,9 +14,10 @@ from kvplugin.connectors.base import Connector
 from kvplugin.connectors.faults import FaultInjector
 from kvplugin.costs import ModelCost
 from kvplugin.engine.clock import RealClock, SimClock
-from kvplugin.engine.layouts import build_core, engine_supports, kv_cache_config
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.model import FakeModel, StepCosts
 from kvplugin.engine.scheduler import Engine, SchedulerLimits
+from kvplugin.layouts import engine_supports
 from kvplugin.plugin import (
     TierWrapper,
     build_connector,
@@ -32,14 +33,11 @@ __all__ = [
     "Deployment",
     "TierWrapper",
     "build_connector",
-    "build_core",
     "build_tiers",
     "check_workload",
     "deployment",
-    "engine_supports",
     "fault_plan",
     "fault_wrapper",
-    "kv_cache_config",
     "limits_of",
     "offload_config",
     "workload_problems",
@@ -56,7 +54,7 @@ def limits_of(cfg: KVPluginConfig) -> SchedulerLimits:
         long_prefill_token_threshold=lim.long_prefill_token_threshold)
 
 
-def workload_problems(cfg: KVPluginConfig) -> list[tuple[Loc, str]]:
+def workload_problems(cfg: RunConfig) -> list[tuple[Loc, str]]:
     """What keeps the reference engine's workload (``kvplugin run``) from serving this
     deployment's tenancy; nothing an engine loading the plugin cares about. Its requests
     belong to the declared tenants (else ``tenant0`` ..), and a group member's requests
@@ -83,7 +81,7 @@ def workload_problems(cfg: KVPluginConfig) -> list[tuple[Loc, str]]:
     return problems
 
 
-def check_workload(cfg: KVPluginConfig, source: str = "<config>") -> None:
+def check_workload(cfg: RunConfig, source: str = "<config>") -> None:
     """ConfigError when the reference engine's workload cannot serve ``cfg``
     (:func:`workload_problems`)."""
     problems = workload_problems(cfg)
@@ -93,7 +91,7 @@ def check_workload(cfg: KVPluginConfig, source: str = "<config>") -> None:
                                                         for loc, why in problems)]))
 
 
-def workload_tenancy(cfg: KVPluginConfig) -> tuple[list[str] | None, dict[str, list[str]]]:
+def workload_tenancy(cfg: RunConfig) -> tuple[list[str] | None, dict[str, list[str]]]:
     """Whom the workload's requests belong to: the declared tenant names (None when the
     config declares none: the workload names its own), and each prefix group's members.
     ConfigError when the workload cannot serve them (:func:`check_workload`: e.g. a group's
@@ -113,6 +111,11 @@ class Deployment:
     injectors: list[FaultInjector] = field(default_factory=list)  # the faults section's
 
     @property
+    def manager(self) -> AsyncKVManager:
+        """``mgr`` by the name the plugin has it (what :mod:`kvplugin.metrics` reads)."""
+        return self.mgr
+
+    @property
     def tier_labels(self) -> list[str]:
         return list(self.mgr.tiers)
 
@@ -126,7 +129,7 @@ class Deployment:
 
 
 @contextlib.asynccontextmanager
-async def deployment(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None
+async def deployment(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None
                      ) -> AsyncIterator[Deployment]:
     """The engine and everything under it; on exit the engine's tasks are stopped, then the
     plugin closes (the manager's jobs cancelled and awaited, the tiers closed, a temporary

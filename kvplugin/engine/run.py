@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvplugin.aio.jobs import connector_tiers
-from kvplugin.config import KVPluginConfig
+from kvplugin.aio.loop import run, uvloop_available
 from kvplugin.connectors.base import Connector, ConnectorStats, Health
 from kvplugin.connectors.faults import FaultInjector
 from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
-from kvplugin.engine.loop import LagProbe, run, uvloop_available
+from kvplugin.engine.config import RunConfig
+from kvplugin.engine.loop import LagProbe
 from kvplugin.engine.progress import Progress, follow, hit_sources, ledger_sources, postfix
 from kvplugin.engine.report import RunReport, Sample, TenantRow
 from kvplugin.engine.scheduler import Result
@@ -72,7 +73,7 @@ async def check_tiers(dep: Deployment, *, required: bool) -> list[str]:
     return out
 
 
-async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
+async def serve(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
                 specs: Sequence[RequestSpec] | None = None, progress: Progress | None = None,
                 metrics_port: int | None = None, metrics_linger_s: float = 0.0,
                 stop_at_s: float | None = None,
@@ -131,12 +132,12 @@ async def serve(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
     return out
 
 
-def workload_specs(dep: Deployment, cfg: KVPluginConfig) -> list[RequestSpec]:
+def workload_specs(dep: Deployment, cfg: RunConfig) -> list[RequestSpec]:
     """The config's workload, with the tenants and prefix groups the config declares."""
     return list(workload_stream(dep, cfg))
 
 
-def workload_stream(dep: Deployment, cfg: KVPluginConfig) -> Iterator[RequestSpec]:
+def workload_stream(dep: Deployment, cfg: RunConfig) -> Iterator[RequestSpec]:
     """:func:`workload_specs`, generated as it is consumed (a run of any length)."""
     tenants, groups = workload_tenancy(cfg)
     return stream(cfg.workload, max_prompt_len=max_prompt_len(dep, cfg), tenants=tenants,
@@ -191,7 +192,7 @@ def _labels(dep: Deployment) -> dict[str, str]:
     return dict(zip(dep.mgr.tiers, dep.tier_labels, strict=True))
 
 
-def max_prompt_len(dep: Deployment, cfg: KVPluginConfig) -> int:
+def max_prompt_len(dep: Deployment, cfg: RunConfig) -> int:
     """Long enough for the workload, short enough that any request fits the pool and the
     model with its answer (the engine refuses requests that could never run)."""
     pool_tokens = dep.mgr.core.offload_view().num_usable_blocks * cfg.layout.block_size
@@ -297,12 +298,12 @@ def tenant_rows(dep: Deployment, served: Served) -> dict[str, TenantRow]:
     return out
 
 
-def without_offload(cfg: KVPluginConfig) -> KVPluginConfig:
+def without_offload(cfg: RunConfig) -> RunConfig:
     """The same deployment with offload off: the device cache alone."""
     return cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"enabled": False})})
 
 
-async def serve_compare(cfg: KVPluginConfig, *, progress: ProgressFor | None = None,
+async def serve_compare(cfg: RunConfig, *, progress: ProgressFor | None = None,
                         metrics_port: int | None = None, metrics_linger_s: float = 0.0
                         ) -> tuple[RunReport, RunReport]:
     """The workload with offload as configured, then the very same requests (same specs)
@@ -314,11 +315,11 @@ async def serve_compare(cfg: KVPluginConfig, *, progress: ProgressFor | None = N
     return on, off
 
 
-def _use_uvloop(cfg: KVPluginConfig) -> bool:
+def _use_uvloop(cfg: RunConfig) -> bool:
     return cfg.engine.uvloop and uvloop_available()
 
 
-def run_engine(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
+def run_engine(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
                progress: Progress | None = None, metrics_port: int | None = None,
                metrics_linger_s: float = 0.0) -> RunReport:
     """:func:`serve` on a fresh event loop (uvloop when configured and installed)."""
@@ -326,7 +327,7 @@ def run_engine(cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
                      metrics_linger_s=metrics_linger_s), use_uvloop=_use_uvloop(cfg))
 
 
-def run_compare(cfg: KVPluginConfig, *, progress: ProgressFor | None = None,
+def run_compare(cfg: RunConfig, *, progress: ProgressFor | None = None,
                 metrics_port: int | None = None, metrics_linger_s: float = 0.0
                 ) -> tuple[RunReport, RunReport]:
     """:func:`serve_compare` on a fresh event loop."""

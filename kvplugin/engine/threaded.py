@@ -1,5 +1,5 @@
 """The engine for synchronous callers: a deployment and its serving loop on a
-:class:`~kvplugin.engine.loop.LoopThread`; ``generate`` blocks the calling thread only."""
+:class:`~kvplugin.aio.loop.LoopThread`; ``generate`` blocks the calling thread only."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import concurrent.futures
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 
-from kvplugin.config import KVPluginConfig
+from kvplugin.aio.loop import LoopThread
 from kvplugin.engine.build import Deployment, TierWrapper, deployment
-from kvplugin.engine.loop import LoopThread
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.scheduler import Result
 
 __all__ = ["EngineThread"]
@@ -18,7 +18,7 @@ __all__ = ["EngineThread"]
 class EngineThread:
     """``with EngineThread(cfg) as et: et.generate(...)`` from any thread."""
 
-    def __init__(self, cfg: KVPluginConfig, *, wrap_tiers: TierWrapper | None = None,
+    def __init__(self, cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
                  timeout: float = 60.0) -> None:
         self.timeout = timeout
         self.thread = LoopThread(use_uvloop=cfg.engine.uvloop)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from kvplugin.config import WorkloadConfig
+from kvplugin.engine.config import WorkloadConfig
 
 __all__ = ["HISTORY", "Finished", "MultiRoundQA", "RequestSpec", "build_prompt", "generate",
            "kinds", "multi_round_qa", "no_reuse", "stream", "warm_up_tokens"]

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.loop import LoopThread
 from kvplugin.aio.memory import GroupShape
 from kvplugin.config import KVPluginConfig, load_config
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.faults import FaultInjector
-from kvplugin.engine.loop import LoopThread
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
 
 __all__ = ["Runtime", "Timeouts", "acquire", "keyspace_for", "release", "settings"]

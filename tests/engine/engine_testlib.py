@@ -8,17 +8,18 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from kvplugin.config import KVPluginConfig, validate
+from kvplugin.config import validate
 from kvplugin.connectors.base import Connector, ConnectorStats, Health, PutItem
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.engine.build import Deployment
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.model import Work
 from kvplugin.engine.scheduler import Engine, Result
 from kvplugin.serde import Block
 
 
 def small_config(*, blocks: int = 64, block_size: int = 4, budget: int = 64, seqs: int = 8,
-                 disk: bool = False, **sections: dict[str, Any]) -> KVPluginConfig:
+                 disk: bool = False, **sections: dict[str, Any]) -> RunConfig:
     """A tiny deployment: memory tier (and a temporary disk tier), no simulated time, in
     real time (``engine.deterministic`` off: the tests that need it turn it on)."""
     doc: dict[str, Any] = {
@@ -33,7 +34,7 @@ def small_config(*, blocks: int = 64, block_size: int = 4, budget: int = 64, seq
     }
     for name, values in sections.items():
         doc.setdefault(name, {}).update(values)
-    return validate(doc, "test")
+    return validate(doc, "test", schema=RunConfig)
 
 
 Req = tuple[str, Sequence[int], str, int]  # id, prompt, tenant, max_tokens

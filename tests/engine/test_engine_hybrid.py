@@ -13,10 +13,10 @@ import pytest
 from engine_testlib import small_config
 
 from kvplugin.aio.memory import HostKVMemory, PageShape, StateShape
-from kvplugin.config import KVPluginConfig
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.faults import FaultInjector, FaultPlan
 from kvplugin.engine.build import TierWrapper, deployment
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.model import FakeModel, Work
 from kvplugin.engine.report import RunReport
 from kvplugin.engine.run import drive, max_prompt_len, report
@@ -32,7 +32,7 @@ WORKLOAD = {"num_requests": 40, "seed": 3, "requests_per_s": 2000.0,
             "document_len": [24, 64], "follow_up_prob": 0.4, "resend_prob": 0.15}
 
 
-def _hybrid(other: dict[str, Any], **workload: Any) -> KVPluginConfig:
+def _hybrid(other: dict[str, Any], **workload: Any) -> RunConfig:
     layout: dict[str, Any] = {"groups": [{"kind": "full"}, other]}
     if other["kind"] == "mamba":
         layout["prefix_match_unit"] = 4  # states at sub-block boundaries: partial tails
@@ -46,7 +46,7 @@ def _again(specs: list[RequestSpec]) -> list[RequestSpec]:
                     after=None if s.after is None else f"{s.after}+") for s in specs]
 
 
-async def _serve_twice(cfg: KVPluginConfig, wrap: TierWrapper | None = None) -> RunReport:
+async def _serve_twice(cfg: RunConfig, wrap: TierWrapper | None = None) -> RunReport:
     """The workload (under pool pressure: the device evicts, the tiers answer), then the
     device cache dropped and the same traffic again: every stored prefix, window and state
     can only come back from the tiers, whatever the timing of the first pass was."""

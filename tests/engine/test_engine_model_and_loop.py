@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from engine_testlib import serve_all, small_config
 
+from kvplugin.aio.loop import LoopThread, new_event_loop, uvloop_available
 from kvplugin.aio.memory import HostKVMemory, PageShape
 from kvplugin.engine.build import deployment
-from kvplugin.engine.loop import LagProbe, LoopThread, new_event_loop, uvloop_available
+from kvplugin.engine.loop import LagProbe
 from kvplugin.engine.model import FakeModel, StepCosts, Work
 from kvplugin.engine.threaded import EngineThread
 

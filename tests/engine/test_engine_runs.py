@@ -15,6 +15,7 @@ from kvplugin.config import load_config
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.faults import FaultInjector, FaultPlan
 from kvplugin.engine.build import deployment
+from kvplugin.engine.config import RunConfig
 from kvplugin.engine.report import CONTRACT_KEYS, ledger_errors
 from kvplugin.engine.run import serve
 from kvplugin.engine.workload import Finished, build_prompt, generate
@@ -27,7 +28,7 @@ def test_kvplugin_run_json_on_the_default_config() -> None:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(CONTRACT_KEYS) <= set(out)
-    assert out["requests"] == load_config(env={}).workload.num_requests
+    assert out["requests"] == load_config(env={}, schema=RunConfig).workload.num_requests
     assert out["finished"] == out["requests"]
     assert out["kv_mismatches"] == 0 and out["cross_tenant_hits"] == 0
     assert out["leaked_blocks"] == 0
@@ -90,7 +91,7 @@ async def test_tenants_with_identical_prompts_never_share_kv() -> None:
 
 
 def test_workload_is_deterministic_in_its_seed() -> None:
-    w = load_config(env={}).workload
+    w = load_config(env={}, schema=RunConfig).workload
     a, b = generate(w, max_prompt_len=1500), generate(w, max_prompt_len=1500)
     assert a == b
     assert generate(w.model_copy(update={"seed": 1}), max_prompt_len=1500) != a

@@ -12,8 +12,8 @@ import pytest
 from engine_testlib import all_blocks, free_blocks, serve_all, small_config
 
 from kvplugin.aio.memory import HostKVMemory, PageShape
-from kvplugin.config import WorkloadConfig
 from kvplugin.engine.build import deployment
+from kvplugin.engine.config import WorkloadConfig
 from kvplugin.engine.model import SLICE_BYTES, CheckResult, FakeModel, KVIdentity, Work, _Chain
 from kvplugin.engine.workload import generate
 

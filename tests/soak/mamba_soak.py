@@ -22,10 +22,11 @@ from aio_testlib import FakeModel, make_hybrid
 
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission
-from kvplugin.config import FaultsConfig, OffloadConfigSection, WorkloadConfig
+from kvplugin.config import FaultsConfig, OffloadConfigSection
 from kvplugin.connectors.faults import FaultInjector
 from kvplugin.core.request import Request, RequestStatus
 from kvplugin.engine.build import build_connector, fault_wrapper
+from kvplugin.engine.config import WorkloadConfig
 from kvplugin.engine.workload import Finished, RequestSpec, build_prompt, generate
 
 ROOM_WAIT_S = 0.001  # how long a worker waits before asking again for blocks

@@ -23,6 +23,7 @@ from mamba_soak import MambaSoak, mamba_manager, specs_for
 from kvplugin.config import FaultsConfig, validate
 from kvplugin.connectors.faults import FaultInjector, LocalRedisServer
 from kvplugin.engine.build import deployment
+from kvplugin.engine.config import RunConfig
 
 FAULT_RATE = 0.1
 TENANTS = 4
@@ -88,7 +89,8 @@ async def test_manager_soak_full_and_mamba(harness: ModuleType, redis_server: Lo
 def test_faults_section_wraps_every_tier() -> None:
     """The drill hook the soaks use: one seeded injector per tier, nothing when off."""
     cfg = validate({"offload": {"local_disk": "temp://"},
-                    "faults": {"rate": 0.2, "kinds": ["error", "corrupt"], "seed": 7}})
+                    "faults": {"rate": 0.2, "kinds": ["error", "corrupt"], "seed": 7}},
+                   schema=RunConfig)
     plan = FaultsConfig(rate=0.2, kinds=("error", "corrupt"))
 
     async def tiers(c: object) -> list[FaultInjector]:
@@ -101,4 +103,4 @@ def test_faults_section_wraps_every_tier() -> None:
     assert (p.error_rate, p.corrupt_write_rate) == (0.1, 0.1) == (plan.kind_rate("error"),
                                                                   plan.kind_rate("corrupt"))
     assert p.latency_rate == p.drop_write_rate == 0.0
-    assert asyncio.run(tiers(validate({}))) == []
+    assert asyncio.run(tiers(validate({}, schema=RunConfig))) == []

@@ -1,5 +1,7 @@
-"""The engine's KV-cache layout from a config: one spec per configured group (full attention,
-sliding window, chunked local, Mamba), and whether the offload manager serves it.
+"""A deployment's KV-cache layout from a config: one spec per configured group (full
+attention, sliding window, chunked local, Mamba), the allocation core over them
+(:func:`build_core`: what :mod:`kvplugin.plugin` builds, and ``kvplugin run``'s engine
+through it), and whether the offload manager serves it.
 
 The model section describes the attention page (per group); a Mamba group's state has the
 shape of a Mamba-2 layer's, derived from the same numbers: a convolution state of
