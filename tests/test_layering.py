@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from layering_testlib import loaded_after
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = "kvplugin.engine"
@@ -125,14 +125,6 @@ def _library_modules() -> list[str]:
     return mods
 
 
-def _loaded_after(*modules: str) -> set[str]:
-    code = f"import sys, {', '.join(modules)}; print('\\n'.join(sys.modules))"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True, cwd=REPO).stdout
-    return set(out.split())
-
-
 def test_the_library_loads_without_the_engine() -> None:
     mods = _library_modules()
     # What an engine imports to load the plugin (vLLM's connector included: it imports
@@ -142,7 +134,7 @@ def test_the_library_loads_without_the_engine() -> None:
              "kvplugin.validate_cli"]
     assert set(named) <= set(mods)
     for group in (named, mods):
-        loaded = _loaded_after(*group)
+        loaded = loaded_after(*group)
         assert set(group) <= loaded
         assert sorted(m for m in loaded if _is_engine(m)) == []
     # The engine's former builders, now the library's, are among those checked.

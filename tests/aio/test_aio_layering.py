@@ -4,10 +4,9 @@ in a fresh interpreter without pulling in the CLI or the simulation."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from layering_testlib import loaded_after
 
 REPO = Path(__file__).resolve().parents[2]
 AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.aio.plans",
@@ -15,14 +14,6 @@ AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.ai
        "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
        "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
        "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop"]
-
-
-def _loaded_after(*modules: str) -> set[str]:
-    code = f"import sys, {', '.join(modules)}; print('\\n'.join(sys.modules))"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True, cwd=REPO).stdout
-    return set(out.split())
 
 
 def _static_imports(root: Path) -> list[tuple[Path, int, str]]:
@@ -52,13 +43,13 @@ def test_core_and_connectors_never_load_the_async_layer() -> None:
             if p.stem != "__init__"]
     conns = [f"kvplugin.connectors.{p.stem}" for p in (REPO / "connectors").glob("*.py")
              if p.stem != "__init__"]
-    loaded = _loaded_after(*core, *conns)
+    loaded = loaded_after(*core, *conns)
     assert set(core) <= loaded and set(conns) <= loaded
     assert not {m for m in loaded if _is_aio(m)}
 
 
 def test_async_layer_imports_cleanly_and_alone() -> None:
-    loaded = _loaded_after(*AIO)
+    loaded = loaded_after(*AIO)
     assert set(AIO) <= loaded
     assert not {m for m in loaded if m in ("kvplugin.cli", "kvplugin.sim", "kvplugin.replay")}
     assert {p.stem for p in (REPO / "kvplugin" / "aio").glob("*.py")} - {"__init__"} \
