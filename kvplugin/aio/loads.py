@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_load
@@ -20,7 +19,7 @@ from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.plans import Claim
 from kvplugin.aio.reqstate import ReqState
-from kvplugin.aio.stores import JobSide
+from kvplugin.aio.stores import JobContext, JobSide
 from kvplugin.aio.values import (
     LoadFailurePolicy,
     LoadOutcome,
@@ -40,8 +39,8 @@ logger = logging.getLogger(__name__)
 class Loads(JobSide):
     """Load jobs of one manager; a request's job is ``ReqState.load``."""
 
-    def __init__(self, *, costs: LoadCosts | None = None, **wiring: Any) -> None:
-        super().__init__(**wiring)
+    def __init__(self, ctx: JobContext, *, costs: LoadCosts | None = None) -> None:
+        super().__init__(ctx)
         self._costs = costs  # told how long each completed load took
         self._probes: set[asyncio.Task[None]] = set()  # reads aside (see probe)
 

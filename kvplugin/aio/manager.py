@@ -53,7 +53,6 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import (
@@ -71,7 +70,7 @@ from kvplugin.aio.memory import HostKVMemory, layout_of, shape_of_group
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
 from kvplugin.aio.probe import ask_tiers
 from kvplugin.aio.reqstate import ReqState
-from kvplugin.aio.stores import Holds, Stores
+from kvplugin.aio.stores import Holds, JobContext, Stores
 from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
 from kvplugin.aio.tier_events import TierEventView
 from kvplugin.aio.values import (
@@ -182,12 +181,13 @@ class AsyncKVManager:
             if config.tier_events:
                 self.tier_events = TierEventView()
                 connector.watch_events()
-            wiring: dict[str, Any] = dict(
+            ctx = JobContext(
                 core=core, connector=connector, tiers=self.tiers, config=config,
                 memory=memory, layout=self.layout, keyspace=self.keyspace, gate=self._gate,
-                stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency)
-            self._loads = Loads(**wiring, costs=self.load_costs)
-            self._stores = Stores(**wiring, events=self.tier_events)
+                stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency,
+                events=self.tier_events)
+            self._loads = Loads(ctx, costs=self.load_costs)
+            self._stores = Stores(ctx)
         self._closed = False
 
     @property

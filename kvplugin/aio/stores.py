@@ -37,7 +37,7 @@ from kvplugin.serde import Block
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["CopyWatch", "Holds", "Stores"]
+__all__ = ["CopyWatch", "Holds", "JobContext", "Stores"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,36 +152,52 @@ class _Candidate:
     tail: bool = False
 
 
-class JobSide:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobContext:
     """What the load side and the store side of one manager share: the core, the
     connector (its tier names, fastest first), the host memory, the I/O gate, the
-    manager's job and hold bookkeeping and its latency histograms."""
+    manager's job and hold bookkeeping, its latency histograms, and (tier events on) the
+    view that learns what each stored object stands for."""
 
-    def __init__(self, *, core: KVCacheManager, connector: Connector, tiers: Sequence[str],
-                 config: OffloadConfig, memory: HostKVMemory, layout: plans.Layout,
-                 keyspace: KeySpace, gate: IOGate, stats: OffloadStats, jobs: set[Job],
-                 holds: Holds, latency: LatencyRecorder,
-                 events: TierEventView | None = None) -> None:
-        self._core = core
-        self._connector = connector
-        self._tiers = tuple(tiers)
-        self._config = config
-        self._memory = memory
-        self._layout = layout
-        self._keyspace = keyspace
-        self._gate = gate
-        self._stats = stats
-        self._jobs = jobs
-        self._holds = holds
-        self._latency = latency
-        self._events = events  # tier events on: what each stored object stands for
+    core: KVCacheManager
+    connector: Connector
+    tiers: tuple[str, ...]
+    config: OffloadConfig
+    memory: HostKVMemory
+    layout: plans.Layout
+    keyspace: KeySpace
+    gate: IOGate
+    stats: OffloadStats
+    jobs: set[Job]
+    holds: Holds
+    latency: LatencyRecorder
+    events: TierEventView | None = None
+
+
+class JobSide:
+    """The state both sides read, from their :class:`JobContext`."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self._core = ctx.core
+        self._connector = ctx.connector
+        self._tiers = ctx.tiers
+        self._config = ctx.config
+        self._memory = ctx.memory
+        self._layout = ctx.layout
+        self._keyspace = ctx.keyspace
+        self._gate = ctx.gate
+        self._stats = ctx.stats
+        self._jobs = ctx.jobs
+        self._holds = ctx.holds
+        self._latency = ctx.latency
+        self._events = ctx.events
 
 
 class Stores(JobSide):
     """Offers, the in-flight byte budget and the store jobs of one manager."""
 
-    def __init__(self, **wiring: Any) -> None:
-        super().__init__(**wiring)
+    def __init__(self, ctx: JobContext) -> None:
+        super().__init__(ctx)
         self._storing: set[str] = set()  # key ids of objects being stored
         self._bytes = 0
         self._hbs = self._keyspace.hash_block_size
