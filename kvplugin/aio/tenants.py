@@ -213,7 +213,7 @@ class TenantPolicy:
 # --------------------------------------------------------------------------- stats
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TenantStats:
     """One tenant's counters (hit rates are derived, never stored) and its device use now.
     Hit tokens are keyed by ``"device"`` and each tier's name."""
@@ -270,12 +270,15 @@ class _Counters:
         hits = dict.fromkeys((DEVICE, *tiers), 0) | self.hit_tokens
         by_tier = dict.fromkeys(tiers, 0) | self.stored_bytes_by_tier
         return TenantStats(
-            tenant, self.requests, self.prompt_tokens, MappingProxyType(hits), self.loads,
-            self.loads_failed, self.loads_cancelled, self.loaded_bytes, self.stores,
-            self.stored_chunks, self.stored_bytes, MappingProxyType(by_tier),
-            self.stores_failed, self.stores_shed, self.stores_shed_quota,
-            self.stores_deduplicated, self.quota_refusals, self.quota_evictions, in_use, cached,
-            self.queries, self.queried_tokens)
+            tenant=tenant, requests=self.requests, prompt_tokens=self.prompt_tokens,
+            hit_tokens=MappingProxyType(hits), loads=self.loads, loads_failed=self.loads_failed,
+            loads_cancelled=self.loads_cancelled, loaded_bytes=self.loaded_bytes,
+            stores=self.stores, stored_chunks=self.stored_chunks, stored_bytes=self.stored_bytes,
+            stored_bytes_by_tier=MappingProxyType(by_tier), stores_failed=self.stores_failed,
+            stores_shed=self.stores_shed, stores_shed_quota=self.stores_shed_quota,
+            stores_deduplicated=self.stores_deduplicated, quota_refusals=self.quota_refusals,
+            quota_evictions=self.quota_evictions, blocks_in_use=in_use, cached_blocks=cached,
+            queries=self.queries, queried_tokens=self.queried_tokens)
 
 
 # --------------------------------------------------------------------------- requests
