@@ -361,6 +361,15 @@ class Connector(abc.ABC):
         return [] if self._event_log is None else self._event_log.take()
 
     @property
+    def reports_objects(self) -> bool:
+        """Whether, once watched, :meth:`take_events` reports every object this process
+        stores in it and every one it evicts, deletes or finds gone (a shared store's other
+        writers and a TTL's expiries excepted). False by default: a connector that records
+        nothing. Byte quotas count what such a tier holds from its events, and what a tier
+        that does not report was written."""
+        return False
+
+    @property
     def codec(self) -> Codec:
         """How this connector seals and verifies objects (:class:`kvplugin.serde.Codec`).
 
@@ -478,6 +487,10 @@ class StoreBase(Guarded, Connector):
     The primitives receive validated storage ids (96 hex chars) and may raise only
     :class:`ConnectorError` subclasses for backend trouble.
     """
+
+    @property
+    def reports_objects(self) -> bool:
+        return True  # every write, eviction, delete and drop goes through the event log
 
     def __init__(
         self,

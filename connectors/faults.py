@@ -118,6 +118,10 @@ class FaultInjector(Guarded, Connector):
     def take_events(self) -> list[TierEvent]:
         return self.inner.take_events()
 
+    @property
+    def reports_objects(self) -> bool:
+        return self.inner.reports_objects
+
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()
         keys = check_keys(keys)

@@ -131,6 +131,10 @@ class TieredConnector(Guarded, Connector):
     def take_events(self) -> list[TierEvent]:
         return [e for tier in self.tiers for e in tier.take_events()]
 
+    @property
+    def reports_objects(self) -> bool:
+        return all(tier.reports_objects for tier in self.tiers)
+
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
         self._check_open()
         keys = check_keys(keys)

@@ -483,8 +483,9 @@ class TenantQuotaConfig(_Strict):
         default=None, ge=0, description="free-but-cached device blocks it may keep; its own "
                                         "oldest lose their cache identity beyond it")
     max_tier_bytes: dict[str, int] = Field(
-        default_factory=dict, description="bytes it may write to each tier over the run, by "
-                                          "tier: memory, disk, redis; "
+        default_factory=dict, description="bytes of its objects each tier may hold (learned "
+                                          "from the tier's events: evicted and deleted objects "
+                                          "no longer count), by tier: memory, disk, redis; "
                                           "offers beyond it are shed")
 
     @model_validator(mode="after")

@@ -202,6 +202,8 @@ class StoreJob:
     items: list[PutItem]  # attention chunks first, then the states that need them
     nbytes: int
     key_ids: frozenset[str]
+    # (object id, bytes) of each item, in order: what a tier byte quota charges per object.
+    objects: tuple[tuple[str, int], ...] = ()
     owner: Any = field(default=None, repr=False)
     states: int = 0  # how many of the items (the last ones) are Mamba states
     # Per tier (tier_names' order), the items present there once the put returned: a

@@ -86,6 +86,7 @@ from kvplugin.aio.values import (
     StoreMode,
 )
 from kvplugin.connectors.base import Connector, ConnectorStats, Deadline
+from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.events import KVCacheEvent
 from kvplugin.core.hashing import BlockHasher, HashContext
@@ -175,11 +176,16 @@ class AsyncKVManager:
         self._loads: Loads | None = None
         self._stores: Stores | None = None
         self.tier_events: TierEventView | None = None
+        self._tier_backlog: list[TierEvent] = []  # pumped, not yet given to tier_events
         # Load or recompute by cost (None: every claim is loaded); the loads report back.
         self.load_costs = load_costs if connector is not None else None
         if connector is not None:
             if config.tier_events:
                 self.tier_events = TierEventView()
+            reporting = [name for name, t in zip(self.tiers, connector_tiers(connector),
+                                                 strict=True) if t.reports_objects]
+            if self.tenants.count_held(reporting, self._pump_tier_events) \
+                    or self.tier_events is not None:
                 connector.watch_events()
             ctx = JobContext(
                 core=core, connector=connector, tiers=self.tiers, config=config,
@@ -634,8 +640,21 @@ class AsyncKVManager:
         cannot learn). One stream for a subscriber (``kvplugin.publisher`` sends it on ZMQ)."""
         events = self.core.take_events()
         if self.tier_events is not None and self.connector is not None:
-            events += self.tier_events.apply(self.connector.take_events())
+            self._pump_tier_events()
+            backlog, self._tier_backlog = self._tier_backlog, []
+            events += self.tier_events.apply(backlog)
         return events
+
+    def _pump_tier_events(self) -> None:
+        """The tiers' events, taken once, to both who read them: the tenants' held bytes
+        now, the KV-event view (tier events on) at the next take_events."""
+        if self.connector is None:
+            return
+        got = self.connector.take_events()
+        if got:
+            self.tenants.tier_events(got)
+            if self.tier_events is not None:
+                self._tier_backlog.extend(got)
 
     async def drain(self) -> None:
         """Wait until every job started so far (and any they lead to) has ended, and the

@@ -344,6 +344,7 @@ class Stores(JobSide):
             if self._events is not None:
                 self._describe(st, c, state)
         job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
+                       objects=tuple((c.key.id, c.nbytes) for c in take),
                        owner=st, states=num_states,
                        partial_tails=sum(c.tail for c in take), first_token=first_token,
                        started=started)

@@ -38,11 +38,15 @@ KV depends on the tokens only (LoRA and the user's cache salt still enter the ha
   ``max_cached_blocks`` free-but-cached blocks, its own first-to-be-evicted ones lose their
   cache identity through the core's public ``evict_blocks``, which leaves the free queue's
   order alone: the core keeps vLLM's order, other tenants' blocks are never touched.
-* *tier bytes*: an offer that would bring the tenant's bytes on a tier (stored by its
-  finished store jobs, plus its jobs in flight) over ``max_tier_bytes[tier]`` is shed
-  whole, counted. Stores write through every tier, so each is charged on every tier. The
-  tiers' own evictions are invisible (connector stats are not per namespace), so this is a
-  bound on bytes *written*, an upper bound of what the tenant occupies.
+* *tier bytes*: an offer that would bring the tenant's bytes on a tier (what the tier holds
+  of it, plus its store jobs in flight) over ``max_tier_bytes[tier]`` is shed whole,
+  counted. Stores write through every tier, so each is charged on every tier. What a tier
+  holds is learned from its events (:mod:`kvplugin.aio.holdings`: charged when the tier
+  reports an object stored, released when it reports it evicted, deleted or gone), so a
+  tenant whose objects were evicted may store again, and one that writes faster than the
+  tier evicts is bounded by what it holds. A tier that reports no events (a third-party
+  connector's ``reports_objects`` False) is charged what was written, never released: an
+  upper bound.
 
 **Stats** (:class:`TenantStats`) attribute every counter of the manager's
 :class:`~kvplugin.aio.values.OffloadStats` that belongs to a request to its tenant, so they
@@ -58,6 +62,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvplugin.aio import plans
+from kvplugin.aio.holdings import TierHoldings
 from kvplugin.aio.jobs import JobEnd, LoadJob, StoreJob
 from kvplugin.aio.keys import KeyScope, KeySpace
 from kvplugin.aio.memory import HostKVMemory
@@ -65,6 +70,7 @@ from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Stores
 from kvplugin.aio.values import LoadStatus, OffloadConfig, OffloadStats
+from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.keys import InvalidName, Namespace
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.hashing import BlockHasher
@@ -469,6 +475,11 @@ class Tenants:
         self._requests: dict[str, set[ReqState]] = {}
         self._holds: dict[str, list[_Hold]] = {}
         self.jobs = JobSet(self._job_ended)
+        # Tier bytes held, from the tiers' events (count_held): None until the manager
+        # has a connector whose events it pumps, and only with a tier quota somewhere.
+        self.holdings: TierHoldings | None = None
+        self._reporting: frozenset[str] = frozenset()
+        self._pump: Callable[[], None] = lambda: None
         self._check_tiers()
         p = self.policy
         groups = {_GROUP + g.name: g.max_cached_blocks for g in p.groups
@@ -491,6 +502,22 @@ class Tenants:
             if unknown:
                 raise ValueError(f"max_tier_bytes names unknown tiers {unknown}; this "
                                  f"connector's tiers are {list(self._tiers)}")
+
+    def count_held(self, reporting: Iterable[str], pump: Callable[[], None]) -> bool:
+        """Count tier quotas against bytes held on the ``reporting`` tiers (their events
+        complete), with ``pump`` handing this the tiers' events before each check. False
+        (nothing to count) when no quota names a tier."""
+        p = self.policy
+        if not any(q.max_tier_bytes for q in (p.default_quota, *(p.tenants or {}).values())):
+            return False
+        self.holdings = TierHoldings()
+        self._reporting = frozenset(reporting)
+        self._pump = pump
+        return True
+
+    def tier_events(self, events: Sequence[TierEvent]) -> None:
+        if self.holdings is not None:
+            self.holdings.apply(events)
 
     def _book(self, tenant: str) -> _Counters:
         c = self._counters.get(tenant)
@@ -666,8 +693,14 @@ class Tenants:
 
     def _over_tier_quota(self, st: ReqState, c: _Counters, nbytes: int) -> bool:
         limits = self.policy.quota(st.tenant).max_tier_bytes
-        return any(c.stored_bytes_by_tier.get(tier, 0) + c.store_bytes_in_flight + nbytes > n
+        self._pump()
+        return any(self._charged(st.tenant, c, tier) + c.store_bytes_in_flight + nbytes > n
                    for tier, n in limits.items())
+
+    def _charged(self, tenant: str, c: _Counters, tier: str) -> int:
+        if self.holdings is not None and tier in self._reporting:
+            return self.holdings.held(tenant, tier)
+        return c.stored_bytes_by_tier.get(tier, 0)
 
     def _shed(self, st: ReqState, c: _Counters, windows: dict[int, range],
               num_states: int) -> int:
@@ -691,12 +724,22 @@ class Tenants:
     def _store_started(self, st: ReqState, c: _Counters, job: StoreJob) -> None:
         c.stores += 1
         c.store_bytes_in_flight += job.nbytes
+        if self._tracks(st):
+            assert self.holdings is not None
+            self.holdings.expect(st.tenant, job.objects)
+
+    def _tracks(self, st: ReqState) -> bool:
+        return self.holdings is not None and bool(self.policy.quota(st.tenant).max_tier_bytes)
 
     def _store_ended(self, st: ReqState, job: StoreJob) -> None:
         """Mirror of the store side's counters; a done store is charged on each tier for
         the share of its objects that tier confirmed (none where its write failed)."""
         c = self._of(st)
         c.store_bytes_in_flight -= job.nbytes
+        if self._tracks(st):
+            assert self.holdings is not None
+            self._pump()  # its writes' events first: a settled object no tier took is gone
+            self.holdings.settle(sid for sid, _ in job.objects)
         if job.ended is JobEnd.DONE:
             c.stored_chunks += len(job.items) - job.states
             c.stored_bytes += job.nbytes

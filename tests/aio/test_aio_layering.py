@@ -13,7 +13,8 @@ AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.ai
        "kvplugin.aio.memory", "kvplugin.aio.keys", "kvplugin.aio.values",
        "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
        "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
-       "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop"]
+       "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop",
+       "kvplugin.aio.holdings"]
 
 
 def _static_imports(root: Path) -> list[tuple[Path, int, str]]:

@@ -452,6 +452,39 @@ def test_quotas_off_change_no_block_id(ops: list[tuple[int, int, int]]) -> None:
         assert other == first
 
 
+@pytest.mark.asyncio
+async def test_tier_byte_quota_bounds_bytes_held_through_evictions() -> None:
+    # A memory tier that holds 5 chunks and a quota of 9 chunks there (a request offers 3:
+    # 5 held + 3 fit): the tenant writes 4x its quota over the run, the tier evicting what
+    # it wrote before, and what it holds stays within both the quota and the tier. Counted
+    # by bytes written, it was refused from its fourth request on.
+    quota = 9 * PAGE
+    policy = TenantPolicy({"a": TenantQuota(max_tier_bytes={"memory": quota})})
+    async with make(policy, host=1 * MIB) as sizing:  # one chunk's size in the tier
+        await serve(sizing, FakeModel(sizing), sizing.new_request("s", [7, 8, 9, 10],
+                                                                  tenant="a"))
+        await sizing.drain()
+        one: int = sizing.connector.used_bytes  # type: ignore[union-attr]
+    async with make(policy, host=5 * one + one // 2) as mgr:
+        model = FakeModel(mgr)
+        conn: Any = mgr.connector
+        holdings = mgr.tenants.holdings
+        assert holdings is not None
+        for i in range(12):
+            await serve(mgr, model, mgr.new_request(f"a{i}", list(range(100 * i, 100 * i + 12)),
+                                                    tenant="a"))
+            await mgr.drain()
+            mgr.tenants._pump()  # what the tier did since the last store ended
+            held = holdings.held("a", "memory")
+            assert held == len(conn) * PAGE <= min(quota, 5 * PAGE), (i, held, len(conn))
+        ts = assert_sums(mgr)
+        # Written: 3 chunks a request, all stored (none shed: evictions made room).
+        assert (ts["a"].stored_chunks, ts["a"].stores_shed_quota) == (36, 0)
+        assert ts["a"].stored_bytes_by_tier["memory"] == 36 * PAGE > quota
+        assert conn.stats().evicted == 36 - len(conn)
+        assert len(holdings) == len(conn)  # nothing kept for objects the tier dropped
+
+
 # --------------------------------------------------------------------------- stats, misuse
 
 
