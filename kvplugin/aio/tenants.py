@@ -235,7 +235,7 @@ class TenantStats:
     stores: int  # store jobs started
     stored_chunks: int
     stored_bytes: int
-    stored_bytes_by_tier: Mapping[str, int]  # what the tier byte quota is checked against
+    stored_bytes_by_tier: Mapping[str, int]  # written per tier (quotas count bytes held)
     stores_failed: int
     stores_shed: int  # objects shed (over the in-flight budget or the tier quota)
     stores_shed_quota: int  # of those, over the tenant's tier byte quota
