@@ -69,4 +69,3 @@ async def ask_tiers(connector: Connector, layout: plans.Layout,
             if len(got) == wanted:
                 return TierAnswer(first=first, levels=levels, states=((n, max(got)),))
     return chunks_only
-

@@ -693,6 +693,8 @@ class Tenants:
 
     def _over_tier_quota(self, st: ReqState, c: _Counters, nbytes: int) -> bool:
         limits = self.policy.quota(st.tenant).max_tier_bytes
+        if not limits:
+            return False  # no quota to check: the tiers' events wait for the next pump
         self._pump()
         return any(self._charged(st.tenant, c, tier) + c.store_bytes_in_flight + nbytes > n
                    for tier, n in limits.items())
