@@ -18,17 +18,22 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvplugin.aio.offload_ledger import StorePlan
 from kvplugin.aio.plans import ChunkLoad, StateLoad
 from kvplugin.connectors.base import Connector, ConnectorError, Deadline, PutItem
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.serde import Block
 
+if TYPE_CHECKING:
+    from kvplugin.aio.reqstate import ReqState
+
 __all__ = [
     "IOGate",
     "JobEnd",
     "LoadJob",
+    "PendingCopy",
     "Priority",
     "StoreJob",
     "connector_tiers",
@@ -179,7 +184,7 @@ class LoadJob:
     plan: tuple[ChunkLoad, ...]
     keys: list[ObjectKey]
     dst: list[list[int]]  # per planned chunk (then state): the block ids it lands in
-    owner: Any = field(default=None, repr=False)  # the manager's per-request state
+    owner: ReqState | None = field(default=None, repr=False)  # the manager's request
     states: tuple[StateLoad, ...] = ()  # Mamba states at ``end``, after the chunks
     levels: tuple[int, ...] = ()  # per key: the tier level the lookup found it at
     # The lookup's rows the claim came from (per group: first chunk, levels) and the
@@ -195,28 +200,34 @@ class LoadJob:
 
 
 @dataclass(eq=False, slots=True)
+class PendingCopy:
+    """A store job's copy-outs not done at hand-off: ``(item index, group, block ids)``
+    (see :class:`kvplugin.aio.stores.CopyWatch`)."""
+
+    items: list[PutItem]
+    copies: list[tuple[int, int, list[int]]]
+    copied: int = 0  # ``copies[:copied]`` are done
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class StoreJob:
-    """Write ``items`` (bytes already copied out, or views of held blocks)."""
+    """Write ``items`` (bytes already copied out, or views of held blocks): the ledger's
+    ``plan``, one item per planned object, in its order."""
 
     request_id: str
-    items: list[PutItem]  # attention chunks first, then the states that need them
-    nbytes: int
-    key_ids: frozenset[str]
-    # (object id, bytes) of each item, in order: what a tier byte quota charges per object.
-    objects: tuple[tuple[str, int], ...] = ()
-    owner: Any = field(default=None, repr=False)
-    states: int = 0  # how many of the items (the last ones) are Mamba states
+    items: list[PutItem]
+    plan: StorePlan = field(repr=False)
+    owner: ReqState | None = field(default=None, repr=False)  # the manager's request
     # Per tier (tier_names' order), the items present there once the put returned: a
     # tier's bytes are charged from these, never from a put that failed there.
     tier_counts: tuple[int, ...] = ()
-    partial_tails: int = 0
-    first_token: int = 1 << 62  # start of the earliest chunk: a failure leaves a hole here
     started: float = 0.0  # time.perf_counter() before its copy-out
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     ended: JobEnd | None = None
     # Copy-outs not done at hand-off: run first thing in the job (see Stores._start).
     prepare: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
-    pending: Any = field(default=None, repr=False)  # what ``prepare`` copies
+    pending: PendingCopy | None = field(default=None, repr=False)  # what ``prepare`` copies
 
 
 def start(job: LoadJob | StoreJob, coro: Coroutine[Any, Any, None], name: str,

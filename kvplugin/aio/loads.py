@@ -17,6 +17,7 @@ from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_load
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.loadcost import LoadCosts
+from kvplugin.aio.offload_ledger import LoadReport
 from kvplugin.aio.plans import Claim
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import JobContext, JobSide
@@ -48,26 +49,22 @@ class Loads(JobSide):
         started = time.perf_counter()
         req = st.req
         start, end = claim.local, claim.local + claim.external
-        plan = plans.load_plan(self._layout, start, end) if claim.external else ()
-        states = plans.state_plan(self._layout, claim.state_at)
-        table = self._core.get_block_ids(req.request_id)
-        keys = [st.chunk_keys(self._keyspace, c.group, c.chunk, c.chunk + 1)[0] for c in plan]
-        keys += [self._keyspace.state_key(st.scope, s.group, req.block_hashes, s.boundary)
-                 for s in states]
-        dst = [table[c.group][c.first_block:c.first_block + c.num_blocks] for c in plan]
-        dst += [[table[s.group][s.slot]] for s in states]
-        if any(0 in ids for ids in dst):
+        lp = self._ledger.load_plan(st.offload, req, self._core.get_block_ids(req.request_id),
+                                    start, end, claim.state_at)
+        if lp.lands_on_null:
             raise AssertionError(f"the core left a null block where {req.request_id}'s "
                                  "load lands: the load plan disagrees with the allocation")
+        plan, states = lp.chunks, lp.states
         levels = _levels(lookup, plan, states, claim.state_at)
-        job = LoadJob(req.request_id, start, end, plan, keys, dst, owner=st, states=states,
+        job = LoadJob(req.request_id, start, end, plan, list(lp.keys),
+                      [list(ids) for ids in lp.dst], owner=st, states=states,
                       levels=levels, tier=self._tiers[max(levels, default=0)],
                       first=tuple(lookup.first), found=tuple(lookup.levels),
                       state_level=levels[-1] if states else None, started=started)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         st.load = job
         st.loaded = asyncio.Event()
-        self._stats.loads += 1
+        self._ledger.load_started(st.offload)
         coro = run_load(job, self._connector, self._gate, self._config.load_timeout,
                         self._apply, self._end)
         start_job(job, coro, f"kv-load-{req.request_id}", self._end)
@@ -127,19 +124,18 @@ class Loads(JobSide):
         cancels the job: a copy cut short leaves bytes in blocks nobody caches)."""
         if job.abandoned:
             return
-        st: ReqState = job.owner
+        st = job.owner
+        assert st is not None
         k = len(job.plan)
         ok = [self._chunk_ok(c, key, b) for c, key, b in zip(job.plan, job.keys[:k],
                                                               blocks[:k], strict=True)]
         states_ok = [self._state_ok(s, key, b) for s, key, b in zip(
             job.states, job.keys[k:], blocks[k:], strict=True)]
         good = plans.resume_point(self._layout, job.plan, ok, states_ok, job.start, job.end)
-        await self._copy_in(job, blocks, good)
+        await self._copy_in(st, job, blocks, good)
+        self._ledger.load_completed(st.offload, LoadReport(claimed=job.end, verified=good))
         if good < job.end:
-            self._stats.loads_failed += 1
-            self._stats.recomputed_tokens += job.end - good
-            for g in self._layout.chunked_groups:
-                st.next_chunk[g] = min(st.next_chunk[g], good // self._layout.chunk_tokens(g))
+            self._ledger.rewind(st.offload, good)
         if good == job.end:
             status = LoadStatus.LOADED
         elif self._config.load_failure_policy is LoadFailurePolicy.FAIL:
@@ -197,12 +193,12 @@ class Loads(JobSide):
                 and meta.token_end == load.boundary
                 and memoryview(block.payload).nbytes == meta.nbytes == shape.page_bytes)
 
-    async def _copy_in(self, job: LoadJob, blocks: list[Block | None], good: int) -> None:
-        """One chunk per loop callback: a 10 MiB load copied in one go held the loop (and
-        the engine's next wake-up) ~8 ms here."""
-        s = self._stats
+    async def _copy_in(self, st: ReqState, job: LoadJob, blocks: list[Block | None],
+                       good: int) -> None:
+        """Copy the verified part in, one chunk per loop callback (a 10 MiB load copied in
+        one go held the loop, and the engine's next wake-up, ~8 ms here), each piece
+        reported to the ledger as it lands."""
         k = len(job.plan)
-        by_tier = s.loaded_bytes_by_tier
         copied = 0
         for load, dst, block, level in zip(job.plan, job.dst[:k], blocks[:k],
                                            job.levels[:k], strict=True):
@@ -217,21 +213,15 @@ class Loads(JobSide):
             raw = memoryview(block.payload).cast("B")
             self._memory.copy_in(load.group, dst[:n],
                                 raw[load.skip * width:(load.skip + n) * width])
-            s.loaded_chunks += 1
-            s.loaded_bytes += n * width
-            tier = self._tiers[level]
-            by_tier[tier] = by_tier.get(tier, 0) + n * width
+            self._ledger.copied_in(st.offload, self._tiers[level], n * width, state=False)
         if good != job.end:
             return  # a state is valid at the claimed boundary only
         for state, dst, block, level in zip(job.states, job.dst[k:], blocks[k:],
                                             job.levels[k:], strict=True):
             assert block is not None  # verified above
             self._memory.copy_in(state.group, dst, block.payload)
-            width = self._memory.page_bytes(state.group)
-            s.loaded_states += 1
-            s.loaded_bytes += width
-            tier = self._tiers[level]
-            by_tier[tier] = by_tier.get(tier, 0) + width
+            self._ledger.copied_in(st.offload, self._tiers[level],
+                                   self._memory.page_bytes(state.group), state=True)
 
     def _end(self, job: LoadJob) -> None:
         """Always runs last: a load that ended without a result (cancelled, or a bug) puts
@@ -241,11 +231,15 @@ class Loads(JobSide):
         if self._costs is not None and job.ended is JobEnd.DONE:
             self._costs.observed(job.tier, job.end - job.start, took)
         self._jobs.discard(job)
-        st: ReqState = job.owner
+        st = job.owner
+        assert st is not None
         if st.load is job:
             st.load = None
-        if job.ended is JobEnd.CANCELLED:
-            self._stats.loads_cancelled += 1
+        if job.ended is JobEnd.CANCELLED or st.outcome is None:
+            # Its bytes were never applied: cancelled (or it crashed), nothing verified.
+            self._ledger.load_completed(st.offload, LoadReport(
+                claimed=job.end, cancelled=job.ended is JobEnd.CANCELLED,
+                abandoned=job.abandoned))
         if not job.abandoned and st.outcome is None:
             # Cancelled (or crashed) before its bytes were applied: nothing is verified.
             if job.ended is JobEnd.CANCELLED:

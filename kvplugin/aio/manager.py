@@ -67,6 +67,7 @@ from kvplugin.aio.ledger import TokenLedger
 from kvplugin.aio.loadcost import Choice, LoadCosts
 from kvplugin.aio.loads import Loads
 from kvplugin.aio.memory import HostKVMemory, layout_of, shape_of_group
+from kvplugin.aio.offload_ledger import OffloadLedger
 from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
 from kvplugin.aio.probe import ask_tiers
 from kvplugin.aio.reqstate import ReqState
@@ -166,10 +167,17 @@ class AsyncKVManager:
         self._requests: dict[str, ReqState] = {}
         self._stats = OffloadStats()
         self.ledger = TokenLedger(self.tiers)  # finished requests' prompt tokens, by source
-        self.tenants = Tenants(tenants, core=core, keyspace=self.keyspace, layout=self.layout,
-                               memory=memory, hasher=self.hasher, tiers=self.tiers,
-                               config=config, stats=self._stats)
-        self._jobs: set[LoadJob | StoreJob] = self.tenants.jobs
+        policy = tenants if tenants is not None else TenantPolicy()
+        # What to store, the budget, tier quotas and every offload counter (global and per
+        # tenant): one synchronous state machine this manager executes.
+        self.offloads = OffloadLedger(
+            self.layout, self.keyspace, page_bytes=[s.page_bytes for s in shapes],
+            tiers=self.tiers, store_budget_bytes=config.store_budget_bytes,
+            store_prompt_only=config.store_prompt_only,
+            tier_quota=lambda t: policy.quota(t).max_tier_bytes, stats=self._stats)
+        self.tenants = Tenants(policy, core=core, keyspace=self.keyspace, layout=self.layout,
+                               hasher=self.hasher, tiers=self.tiers, ledger=self.offloads)
+        self._jobs: set[LoadJob | StoreJob] = set()
         self._holds = Holds(core)
         self._latency = LatencyRecorder(self.tiers)
         self._residency = ResidencyRecorder()
@@ -184,14 +192,15 @@ class AsyncKVManager:
                 self.tier_events = TierEventView()
             reporting = [name for name, t in zip(self.tiers, connector_tiers(connector),
                                                  strict=True) if t.reports_objects]
-            if self.tenants.count_held(reporting, self._pump_tier_events) \
+            if self.offloads.count_held(reporting, self._pump_tier_events,
+                                        self.tenants.tier_quotas()) \
                     or self.tier_events is not None:
                 connector.watch_events()
             ctx = JobContext(
                 core=core, connector=connector, tiers=self.tiers, config=config,
                 memory=memory, layout=self.layout, keyspace=self.keyspace, gate=self._gate,
                 stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency,
-                events=self.tier_events)
+                ledger=self.offloads, events=self.tier_events)
             self._loads = Loads(ctx, costs=self.load_costs)
             self._stores = Stores(ctx)
         self._closed = False
@@ -219,9 +228,10 @@ class AsyncKVManager:
         req = Request(request_id, prompt_token_ids, block_hasher=scope.hasher or self.hasher,
                       lora_request=lora_request, cache_salt=scope.cache_salt,
                       skip_reading_prefix_cache=skip_reading_prefix_cache)
-        groups = self.layout.num_groups
-        st = ReqState(req, scope.key_scope.tenant, scope.key_scope,
-                      [[] for _ in range(groups)], [0] * groups)
+        tenant = scope.key_scope.tenant
+        offload = self.offloads.open(request_id, tenant, scope.key_scope,
+                                     req.num_prompt_tokens)
+        st = ReqState(req, tenant, scope.key_scope, offload)
         self._requests[request_id] = st
         self.tenants.opened(st)
         return req
@@ -427,10 +437,9 @@ class AsyncKVManager:
         total = claim.local + claim.external
         req.num_computed_tokens = total  # optimistic during a load, as in vLLM
         self.core.record_prefix_cache_stats(req, claim.local)
-        if self._stores is not None:
-            self._stores.start_cursor(st, total, lookup)
+        self.offloads.admitted(st.offload, total, None if lookup is None else tuple(
+            f + len(p) for f, p in zip(lookup.first, lookup.levels, strict=True)))
         by_tier = self._count_hits(st, claim, lookup)
-        self.tenants.admitted(st, claim.local, by_tier)
         if loads:
             # A claim of tier tokens comes from a lookup of a manager with a connector.
             assert self._loads is not None and lookup is not None
@@ -457,20 +466,18 @@ class AsyncKVManager:
                     ) -> dict[str, int]:
         """Book the admission's hits (per query: the hit rate's) and open the request's
         ledger pass (prompt positions only: see :mod:`kvplugin.aio.ledger`)."""
-        req, s = st.req, self._stats
-        s.queries += 1
-        s.queried_tokens += req.num_tokens
-        s.local_hit_tokens += claim.local
+        req = st.req
         end, prompt = claim.local + claim.external, req.num_prompt_tokens
         if not claim.external or lookup is None:
+            self.offloads.booked_hits(st.tenant, queried_tokens=req.num_tokens,
+                                      local=claim.local, external=0, by_tier={})
             st.ledger.admitted(min(claim.local, prompt), {}, end, claim.loads)
             return {}
-        s.external_hit_tokens += claim.external
         state_level = next((lv for b, lv in lookup.states if b == claim.state_at), None)
         out = plans.tokens_by_tier(self.layout, self.tiers, lookup.first, lookup.levels,
                                    claim.local, end, state_level)
-        for name, n in out.items():
-            s.hit_tokens_by_tier[name] = s.hit_tokens_by_tier.get(name, 0) + n
+        self.offloads.booked_hits(st.tenant, queried_tokens=req.num_tokens, local=claim.local,
+                                  external=claim.external, by_tier=out)
         booked = out if end <= prompt else plans.tokens_by_tier(
             self.layout, self.tiers, lookup.first, lookup.levels, claim.local, prompt,
             state_level)
@@ -512,7 +519,7 @@ class AsyncKVManager:
             st = self._state(req)  # misuse raises with offload off too
             st.ledger.advanced(req.num_computed_tokens)
             if stores is not None:
-                started += self.tenants.offer(st, stores, offers.pop(req.request_id, ()))
+                started += stores.offer(st, offers.pop(req.request_id, ()))
         for rid, rest in offers.items():
             other = self._requests.get(rid)
             if stores is None:
@@ -520,7 +527,7 @@ class AsyncKVManager:
             if other is None:
                 self._stats.states_dropped += len(rest)
             else:
-                started += self.tenants.offer(other, stores, rest)
+                started += stores.offer(other, rest)
         # The step ran: states cached while scheduling it are on the device now (the
         # Mamba same-step guard), and new attention blocks need no zeroing in host memory.
         self.core.take_new_block_ids()
@@ -538,7 +545,7 @@ class AsyncKVManager:
             tails: list[StateOffer] = []
             if st.admitted and st.load is None:
                 tails = [StateOffer(*t) for t in self.core.finalize_partial_tail_offloads(req)]
-            self.tenants.offer(st, self._stores, (), tails)
+            self._stores.offer(st, (), tails)
         del self._requests[req.request_id]
         self.ledger.close(st.tenant, st.ledger, req.num_computed_tokens, req.num_prompt_tokens)
         self.tenants.finished(st)
@@ -599,7 +606,7 @@ class AsyncKVManager:
 
     @property
     def store_bytes_in_flight(self) -> int:
-        return 0 if self._stores is None else self._stores.bytes_in_flight
+        return self.offloads.bytes_in_flight
 
     def pending_jobs(self) -> dict[str, int]:
         """Jobs running now, by kind (``"load"``, ``"store"``)."""
@@ -652,7 +659,7 @@ class AsyncKVManager:
             return
         got = self.connector.take_events()
         if got:
-            self.tenants.tier_events(got)
+            self.offloads.tier_events(got)
             if self.tier_events is not None:
                 self._tier_backlog.extend(got)
 

@@ -1,5 +1,6 @@
-"""The store side of the async manager: what to offer the tiers each step, within the byte
-budget, as store jobs; Mamba checkpoints; blocks held for jobs after a request let go.
+"""The store side of the async manager: it offers the offload ledger
+(:mod:`kvplugin.aio.offload_ledger`) what each request completed and runs the plans the
+ledger returns as store jobs; lazy copy-outs; blocks held for jobs after a request let go.
 
 Each step a request offers the attention chunks it completed and the Mamba states the core
 handed over (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads`` at
@@ -19,16 +20,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvplugin.aio import plans
-from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, StoreJob, run_store
+from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, PendingCopy, StoreJob, run_store
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import HostKVMemory
+from kvplugin.aio.offload_ledger import OffloadLedger, StoreObject, StorePlan
 from kvplugin.aio.plans import StateOffer
-from kvplugin.aio.reqstate import NO_HOLE, ReqState
+from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.tier_events import TierEventView, describe_chunk, describe_state
-from kvplugin.aio.values import LatencyRecorder, Lookup, OffloadConfig, OffloadStats, StoreMode
+from kvplugin.aio.values import LatencyRecorder, OffloadConfig, OffloadStats, StoreMode
 from kvplugin.connectors.base import Connector, PutItem
-from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.view import ReuseWatch
@@ -73,16 +74,6 @@ class Holds:
                 self._core.free_popped_blocks(held.blocks)
 
 
-@dataclass(eq=False, slots=True)
-class _PendingCopy:
-    """A store job's copy-outs not done at hand-off: ``(item index, group, block ids)``."""
-
-    items: list[PutItem]
-    copies: list[tuple[int, int, list[int]]]
-    copied: int = 0  # ``copies[:copied]`` are done
-    done: bool = False
-
-
 class CopyWatch:
     """Copies a store's chunks out of host memory *after* the step that handed them over,
     in the store job's first step (while the engine's next step runs), instead of on the
@@ -99,24 +90,24 @@ class CopyWatch:
         self._stats = stats
         # One reuse watch per pending copy: its own, so discarding it ends only its
         # interest (another subscriber's watch on the same blocks stays).
-        self._watches: dict[_PendingCopy, ReuseWatch] = {}
+        self._watches: dict[PendingCopy, ReuseWatch] = {}
 
-    def add(self, pc: _PendingCopy) -> None:
+    def add(self, pc: PendingCopy) -> None:
         ids = [b for _, _, block_ids in pc.copies for b in block_ids]
         self._watches[pc] = self._view.watch_reuse(ids, lambda _block: self._reused(pc))
 
-    def _reused(self, pc: _PendingCopy) -> None:
+    def _reused(self, pc: PendingCopy) -> None:
         if not pc.done:
             self._stats.copies_on_reuse += 1
             self.run(pc)
 
-    def run(self, pc: _PendingCopy) -> None:
+    def run(self, pc: PendingCopy) -> None:
         """Every copy left, now (a block is about to be reused)."""
         while not pc.done and pc.copied < len(pc.copies):
             self._copy_next(pc)
         self.discard(pc)
 
-    async def run_sliced(self, pc: _PendingCopy) -> None:
+    async def run_sliced(self, pc: PendingCopy) -> None:
         """Every copy left, one chunk per loop callback: a big job's copy-out must not
         hold the loop (and the engine's next wake-up) for milliseconds at a stretch."""
         while not pc.done and pc.copied < len(pc.copies):
@@ -127,29 +118,19 @@ class CopyWatch:
             self._copy_next(pc)
         self.discard(pc)
 
-    def _copy_next(self, pc: _PendingCopy) -> None:
+    def _copy_next(self, pc: PendingCopy) -> None:
         i, group, ids = pc.copies[pc.copied]
         key, blk = pc.items[i]
         data = self._memory.copy_out_bytes(group, ids)
         pc.items[i] = (key, Block(blk.meta, cast("Buffer", data)))
         pc.copied += 1
 
-    def discard(self, pc: _PendingCopy) -> None:
+    def discard(self, pc: PendingCopy) -> None:
         """Done with (copied, or its job ended first): the hook forgets it."""
         pc.done = True
         watch = self._watches.pop(pc, None)
         if watch is not None:
             watch.cancel()
-
-
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    group: int
-    index: int  # chunk index, or the state's boundary
-    key: ObjectKey
-    block_ids: list[int]
-    nbytes: int
-    tail: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,6 +152,7 @@ class JobContext:
     jobs: set[Job]
     holds: Holds
     latency: LatencyRecorder
+    ledger: OffloadLedger
     events: TierEventView | None = None
 
 
@@ -190,117 +172,40 @@ class JobSide:
         self._jobs = ctx.jobs
         self._holds = ctx.holds
         self._latency = ctx.latency
+        self._ledger = ctx.ledger
         self._events = ctx.events
 
 
 class Stores(JobSide):
-    """Offers, the in-flight byte budget and the store jobs of one manager."""
+    """The store jobs of one manager: it offers the ledger what a request completed and
+    runs the plans the ledger returns (copy-out, put), reporting each one's end."""
 
     def __init__(self, ctx: JobContext) -> None:
         super().__init__(ctx)
-        self._storing: set[str] = set()  # key ids of objects being stored
-        self._bytes = 0
         self._hbs = self._keyspace.hash_block_size
         self.copies = CopyWatch(self._core, self._memory, self._stats)
-
-    @property
-    def bytes_in_flight(self) -> int:
-        return self._bytes
-
-    def start_cursor(self, st: ReqState, hit: int, lookup: Lookup | None) -> None:
-        """Where a newly admitted request's stores start. Chunks inside the hit came from
-        somewhere that stored them; chunks the tiers already hold beyond the claim need no
-        store either (vLLM's chunk-level policy); so do states up to the hit."""
-        for g in self._layout.chunked_groups:
-            n = hit // self._layout.chunk_tokens(g)
-            if lookup is not None:
-                n = max(n, lookup.first[g] + lookup.present[g])
-            st.next_chunk[g] = n
-        st.known_until = hit
-        st.hole = NO_HOLE
 
     # ------------------------------------------------------------------ offers
     def offer(self, st: ReqState, offers: Sequence[StateOffer] = (),
               tails: Sequence[StateOffer] = ()) -> int:
         """Store what the request completed: new attention chunks, then the states offered
         for it (``tails``: finish-time partial tails). Returns the objects whose stores
-        started; duplicates and objects over the byte budget are dropped, counted."""
-        if not st.admitted or st.load is not None:
-            # Its blocks are gone or still being loaded: no offer of it can be read.
-            self._stats.states_dropped += len(offers) + len(tails)
+        started; what the ledger drops (duplicates, over the byte budget or the tenant's
+        tier quota) it counts."""
+        req, ledger = st.req, self._ledger
+        if not offers and not tails and not ledger.has_new_chunks(st.offload, req,
+                                                                  req.num_computed_tokens):
+            return 0  # nothing to store: the common case, kept off the step path
+        # Its blocks gone or still being loaded: no offer of it can be read.
+        alive = st.admitted and st.load is None
+        plan = ledger.offer(st.offload, req, computed=req.num_computed_tokens,
+                            table=self._core.get_block_ids(req.request_id) if alive else (),
+                            offers=offers, tails=tails, alive=alive,
+                            holds=lambda o: self._still_holds(st, o))
+        if plan is None:
             return 0
-        chunks = self._chunk_candidates(st)
-        chunk_sel = self._select(chunks, self._bytes)
-        self._mark_holes(st, chunks, chunk_sel.take)
-        used = self._bytes + sum(chunks[i].nbytes for i in chunk_sel.take)
-        states = self._state_candidates(st, offers, tails)
-        state_sel = self._select(states, used)
-        take = [chunks[i] for i in chunk_sel.take] + [states[i] for i in state_sel.take]
-        if take:
-            self._start(st, take, len(state_sel.take))
-        return len(take)
-
-    def has_new_chunks(self, st: ReqState) -> bool:
-        """Whether the request completed an attention chunk not yet offered: most steps
-        complete none (a decode step adds one token), and an offer without a new chunk
-        or a state to store is a no-op, so callers skip it (the engine's step path)."""
-        req = st.req
-        committed = req.num_computed_tokens
-        if self._config.store_prompt_only:
-            committed = min(committed, req.num_prompt_tokens)
-        ready = min(committed, len(req.block_hashes) * self._hbs)
-        lay = self._layout
-        return any(ready // lay.chunk_tokens(g) > st.next_chunk[g] for g in lay.chunked_groups)
-
-    def _select(self, cands: list[_Candidate], used: int) -> plans.StoreSelection:
-        sel = plans.select_stores([(c.key.id, c.nbytes) for c in cands], self._storing, used,
-                                  self._config.store_budget_bytes)
-        self._stats.stores_shed += sel.shed
-        self._stats.stores_deduplicated += sel.duplicates
-        return sel
-
-    def _chunk_candidates(self, st: ReqState) -> list[_Candidate]:
-        req = st.req
-        committed = req.num_computed_tokens
-        if self._config.store_prompt_only:
-            committed = min(committed, req.num_prompt_tokens)
-        offers = plans.chunk_offers(self._layout, st.next_chunk, committed,
-                                    len(req.block_hashes) * self._hbs,
-                                    self._core.get_block_ids(req.request_id), st.hole)
-        st.next_chunk[:] = offers.next_chunk
-        st.hole = offers.hole
-        cb = self._layout.chunk_blocks
-        return [_Candidate(o.group, o.chunk, st.chunk_keys(self._keyspace, o.group, o.chunk,
-                                                           o.chunk + 1)[0],
-                           list(o.block_ids), self._memory.page_bytes(o.group) * cb)
-                for o in offers.chunks]
-
-    def _mark_holes(self, st: ReqState, chunks: list[_Candidate], taken: Sequence[int]) -> None:
-        kept = set(taken)
-        for i, c in enumerate(chunks):
-            if i not in kept and c.key.id not in self._storing:  # shed, not deduplicated
-                st.hole = min(st.hole, c.index * self._layout.chunk_tokens(c.group))
-
-    def _state_candidates(self, st: ReqState, offers: Sequence[StateOffer],
-                          tails: Sequence[StateOffer]) -> list[_Candidate]:
-        if not offers and not tails:
-            return []
-        req = st.req
-        save_end = req.num_prompt_tokens if self._config.store_prompt_only else req.num_tokens
-        tail_set = set(tails)
-        kept, dropped = plans.select_states(
-            self._layout, [*offers, *tails], alive=True, known_until=st.known_until,
-            save_end=save_end, hole=st.hole)
-        out = []
-        for o in kept:
-            key = self._keyspace.state_key(st.scope, o.group, req.block_hashes, o.boundary)
-            if not self._still_holds(st, o):
-                dropped += 1
-                continue
-            out.append(_Candidate(o.group, o.boundary, key, [o.block_id],
-                                  self._memory.page_bytes(o.group), o in tail_set))
-        self._stats.states_dropped += dropped
-        return out
+        self._start(st, plan)
+        return len(plan.objects)
 
     def _still_holds(self, st: ReqState, offer: StateOffer) -> bool:
         """Whether the offered block is still cached under the request's hash at the
@@ -310,90 +215,67 @@ class Stores(JobSide):
         return self._core.offload_view().caches(offer.block_id, key)
 
     # ------------------------------------------------------------------ jobs
-    def _start(self, st: ReqState, take: list[_Candidate], num_states: int) -> None:
+    def _start(self, st: ReqState, plan: StorePlan) -> None:
         started = time.perf_counter()
         items: list[PutItem] = []
-        nbytes = 0
-        first_token = NO_HOLE
         copy = self._config.store_mode is StoreMode.COPY
         later: list[tuple[int, int, list[int]]] = []  # chunks copied in the job (CopyWatch)
-        for i, c in enumerate(take):
-            state = i >= len(take) - num_states
-            shape = self._memory.shapes[c.group]
+        for i, o in enumerate(plan.objects):
+            shape = self._memory.shapes[o.group]
+            ids = list(o.block_ids)
             # A state block changes in place from the next step on: copied now. A copy is
             # immutable, which the memory tier keeps without copying again.
             payload: Any
-            if state:
-                payload = self._memory.copy_out_bytes(c.group, c.block_ids)
-            elif copy:
-                payload = b""
-                later.append((i, c.group, c.block_ids))
+            if o.state:
+                payload = self._memory.copy_out_bytes(o.group, ids)
+                meta = o.key.meta(token_start=0, token_end=o.index, dtype=shape.dtype,
+                                  shape=(1, *shape.dims), boundary=o.index)
             else:
-                payload = self._memory.pages(c.group, c.block_ids).data
-            if state:
-                meta = c.key.meta(token_start=0, token_end=c.index, dtype=shape.dtype,
-                                  shape=(1, *shape.dims), boundary=c.index)
-            else:
-                ct = self._layout.chunk_tokens(c.group)
-                first_token = min(first_token, c.index * ct)
-                meta = c.key.meta(token_start=c.index * ct, token_end=(c.index + 1) * ct,
+                if copy:
+                    payload = b""
+                    later.append((i, o.group, ids))
+                else:
+                    payload = self._memory.pages(o.group, ids).data
+                ct = self._layout.chunk_tokens(o.group)
+                meta = o.key.meta(token_start=o.index * ct, token_end=(o.index + 1) * ct,
                                   dtype=shape.dtype,
                                   shape=(self._layout.chunk_blocks, *shape.dims))
-            items.append((c.key, Block(meta, payload)))
-            nbytes += c.nbytes
+            items.append((o.key, Block(meta, payload)))
             if self._events is not None:
-                self._describe(st, c, state)
-        job = StoreJob(st.req.request_id, items, nbytes, frozenset(c.key.id for c in take),
-                       objects=tuple((c.key.id, c.nbytes) for c in take),
-                       owner=st, states=num_states,
-                       partial_tails=sum(c.tail for c in take), first_token=first_token,
-                       started=started)
+                self._describe(st, o)
+        job = StoreJob(st.req.request_id, items, plan, owner=st, started=started)
         if later:
-            pending = _PendingCopy(items, later)
+            pending = PendingCopy(items, later)
             self.copies.add(pending)
             job.prepare = lambda: self.copies.run_sliced(pending)
             job.pending = pending
-        self._storing |= job.key_ids
-        self._bytes += nbytes
         st.stores.add(job)
-        self._stats.stores += 1
         coro = run_store(job, self._connector, self._gate, self._config.store_timeout,
                          self._end)
         start_job(job, coro, f"kv-store-{st.req.request_id}", self._end)
         self._jobs.add(job)
 
-    def _describe(self, st: ReqState, c: _Candidate, state: bool) -> None:
+    def _describe(self, st: ReqState, o: StoreObject) -> None:
         assert self._events is not None
         req = st.req
-        if state:
-            info = describe_state(req.block_hashes, req.all_token_ids, c.group, c.index,
+        if o.state:
+            info = describe_state(req.block_hashes, req.all_token_ids, o.group, o.index,
                                   self._hbs)
         else:
-            ct = self._layout.chunk_tokens(c.group)
-            info = describe_chunk(req.block_hashes, req.all_token_ids, c.group, c.index * ct,
-                                  (c.index + 1) * ct, self._hbs,
-                                  self._memory.shapes[c.group].block_size)
-        self._events.describe(c.key.id, info)
+            ct = self._layout.chunk_tokens(o.group)
+            info = describe_chunk(req.block_hashes, req.all_token_ids, o.group, o.index * ct,
+                                  (o.index + 1) * ct, self._hbs,
+                                  self._memory.shapes[o.group].block_size)
+        self._events.describe(o.key.id, info)
 
     def _end(self, job: StoreJob) -> None:
         if self._events is not None:
-            self._events.settle(list(job.key_ids))
+            self._events.settle(list(job.plan.key_ids))
         if job.pending is not None:
             self.copies.discard(job.pending)
         self._latency.store.observe(time.perf_counter() - job.started)
         self._jobs.discard(job)
-        self._storing -= job.key_ids
-        self._bytes -= job.nbytes
-        st: ReqState = job.owner
-        st.stores.discard(job)
-        chunks = len(job.items) - job.states
-        if job.ended is JobEnd.DONE:
-            self._stats.stored_chunks += chunks
-            self._stats.stored_bytes += job.nbytes
-            self._stats.stored_states += job.states
-            self._stats.partial_tails += job.partial_tails
-        else:
-            self._stats.stores_failed += len(job.items)
-            # Later states of this request would miss these chunks.
-            st.hole = min(st.hole, job.first_token)
+        self._ledger.store_completed(job.plan, job.ended is JobEnd.DONE, job.tier_counts)
+        if job.owner is not None:
+            job.owner.stores.discard(job)
         self._holds.job_ended(job)

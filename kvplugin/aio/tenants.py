@@ -56,21 +56,15 @@ sum to the global ones.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from kvplugin.aio import plans
-from kvplugin.aio.holdings import TierHoldings
-from kvplugin.aio.jobs import JobEnd, LoadJob, StoreJob
+from kvplugin.aio.jobs import LoadJob, StoreJob
 from kvplugin.aio.keys import KeyScope, KeySpace
-from kvplugin.aio.memory import HostKVMemory
-from kvplugin.aio.plans import StateOffer
+from kvplugin.aio.offload_ledger import OffloadLedger, TenantCounters
 from kvplugin.aio.reqstate import ReqState
-from kvplugin.aio.stores import Stores
-from kvplugin.aio.values import LoadStatus, OffloadConfig, OffloadStats
-from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.keys import InvalidName, Namespace
 from kvplugin.core.blocks import KVCacheBlock
 from kvplugin.core.hashing import BlockHasher
@@ -248,43 +242,20 @@ class TenantStats:
     queried_tokens: int = 0  # the tokens of those queries: the hit rate's denominator
 
 
-@dataclass(slots=True)
-class _Counters:
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: dict[str, int] = field(default_factory=dict)
-    loads: int = 0
-    loads_failed: int = 0
-    loads_cancelled: int = 0
-    loaded_bytes: int = 0
-    stores: int = 0
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    stored_bytes_by_tier: dict[str, int] = field(default_factory=dict)
-    stores_failed: int = 0
-    stores_shed: int = 0
-    stores_shed_quota: int = 0
-    stores_deduplicated: int = 0
-    quota_refusals: int = 0
-    quota_evictions: int = 0
-    store_bytes_in_flight: int = 0
-    queries: int = 0
-    queried_tokens: int = 0
-
-    def freeze(self, tenant: str, tiers: Sequence[str], in_use: int,
-               cached: int | None) -> TenantStats:
-        hits = dict.fromkeys((DEVICE, *tiers), 0) | self.hit_tokens
-        by_tier = dict.fromkeys(tiers, 0) | self.stored_bytes_by_tier
-        return TenantStats(
-            tenant=tenant, requests=self.requests, prompt_tokens=self.prompt_tokens,
-            hit_tokens=MappingProxyType(hits), loads=self.loads, loads_failed=self.loads_failed,
-            loads_cancelled=self.loads_cancelled, loaded_bytes=self.loaded_bytes,
-            stores=self.stores, stored_chunks=self.stored_chunks, stored_bytes=self.stored_bytes,
-            stored_bytes_by_tier=MappingProxyType(by_tier), stores_failed=self.stores_failed,
-            stores_shed=self.stores_shed, stores_shed_quota=self.stores_shed_quota,
-            stores_deduplicated=self.stores_deduplicated, quota_refusals=self.quota_refusals,
-            quota_evictions=self.quota_evictions, blocks_in_use=in_use, cached_blocks=cached,
-            queries=self.queries, queried_tokens=self.queried_tokens)
+def _snapshot(c: TenantCounters, tenant: str, tiers: Sequence[str], in_use: int,
+              cached: int | None) -> TenantStats:
+    hits = dict.fromkeys((DEVICE, *tiers), 0) | c.hit_tokens
+    by_tier = dict.fromkeys(tiers, 0) | c.stored_bytes_by_tier
+    return TenantStats(
+        tenant=tenant, requests=c.requests, prompt_tokens=c.prompt_tokens,
+        hit_tokens=MappingProxyType(hits), loads=c.loads, loads_failed=c.loads_failed,
+        loads_cancelled=c.loads_cancelled, loaded_bytes=c.loaded_bytes, stores=c.stores,
+        stored_chunks=c.stored_chunks, stored_bytes=c.stored_bytes,
+        stored_bytes_by_tier=MappingProxyType(by_tier), stores_failed=c.stores_failed,
+        stores_shed=c.stores_shed, stores_shed_quota=c.stores_shed_quota,
+        stores_deduplicated=c.stores_deduplicated, quota_refusals=c.quota_refusals,
+        quota_evictions=c.quota_evictions, blocks_in_use=in_use, cached_blocks=cached,
+        queries=c.queries, queried_tokens=c.queried_tokens)
 
 
 # --------------------------------------------------------------------------- requests
@@ -346,22 +317,6 @@ def _shared(scope: KeyScope) -> tuple[str | None, int]:
     if scope.group is not None:
         return _GROUP + scope.group, scope.shared_tokens
     return None, 0
-
-
-class JobSet(set[LoadJob | StoreJob]):
-    """The manager's set of running jobs. The load and store sides remove a job first
-    thing when it ends, its result booked (``job.ended``, the load's outcome): that is
-    where ``on_end`` attributes it, in the same loop iteration, so counters read right
-    after a ``drain()`` are complete."""
-
-    def __init__(self, on_end: Callable[[LoadJob | StoreJob], None]) -> None:
-        super().__init__()
-        self._on_end = on_end
-
-    def discard(self, job: object) -> None:
-        if isinstance(job, LoadJob | StoreJob) and job in self:
-            super().discard(job)
-            self._on_end(job)
 
 
 @dataclass(eq=False, slots=True)
@@ -450,36 +405,23 @@ class _CachedBlocks:
 
 
 class Tenants:
-    """The manager's tenant book: scopes requests, checks quotas, attributes counters.
+    """The manager's tenant book: scopes requests, checks the device quotas, snapshots the
+    counters. What a tenant stored, loaded and hit is booked by the offload ledger
+    (:mod:`kvplugin.aio.offload_ledger`), which also checks the tier byte quotas; this
+    keeps what is the device's: blocks in use, cached blocks, admissions refused."""
 
-    The manager calls it at a handful of points (request creation, admission, offers,
-    releases); the load and store sides are observed through their jobs (:class:`JobSet`)
-    and the synchronous deltas of the global counters around each offer, so they need not
-    know about tenants.
-    """
-
-    def __init__(self, policy: TenantPolicy | None, *, core: KVCacheManager,
-                 keyspace: KeySpace, layout: plans.Layout, memory: HostKVMemory,
-                 hasher: BlockHasher, tiers: Sequence[str], config: OffloadConfig,
-                 stats: OffloadStats) -> None:
-        self.policy = policy if policy is not None else TenantPolicy()
+    def __init__(self, policy: TenantPolicy, *, core: KVCacheManager, keyspace: KeySpace,
+                 layout: plans.Layout, hasher: BlockHasher, tiers: Sequence[str],
+                 ledger: OffloadLedger) -> None:
+        self.policy = policy
         self._core = core
         self._keyspace = keyspace
         self._layout = layout
-        self._memory = memory
         self._hasher = hasher
         self._tiers = tuple(tiers)
-        self._config = config
-        self._stats = stats
-        self._counters: dict[str, _Counters] = {}
+        self._ledger = ledger
         self._requests: dict[str, set[ReqState]] = {}
         self._holds: dict[str, list[_Hold]] = {}
-        self.jobs = JobSet(self._job_ended)
-        # Tier bytes held, from the tiers' events (count_held): None until the manager
-        # has a connector whose events it pumps, and only with a tier quota somewhere.
-        self.holdings: TierHoldings | None = None
-        self._reporting: frozenset[str] = frozenset()
-        self._pump: Callable[[], None] = lambda: None
         self._check_tiers()
         p = self.policy
         groups = {_GROUP + g.name: g.max_cached_blocks for g in p.groups
@@ -491,47 +433,34 @@ class Tenants:
         for name in p.tenants or ():
             self._book(name)
 
+    def tier_quota(self, tenant: str) -> Mapping[str, int]:
+        """The tenant's tier byte quotas (the ledger checks them)."""
+        return self.policy.quota(tenant).max_tier_bytes
+
+    def tier_quotas(self) -> list[Mapping[str, int]]:
+        p = self.policy
+        return [q.max_tier_bytes for q in (p.default_quota, *(p.tenants or {}).values())]
+
     def _check_tiers(self) -> None:
         if not self._tiers:
             # Offload off: nothing is stored, so a tier quota can never bind; a config keeps
             # its quotas when offload is switched off for a comparison.
             return
-        p = self.policy
-        for q in (p.default_quota, *(p.tenants or {}).values()):
-            unknown = sorted(set(q.max_tier_bytes) - set(self._tiers))
+        for limits in self.tier_quotas():
+            unknown = sorted(set(limits) - set(self._tiers))
             if unknown:
                 raise ValueError(f"max_tier_bytes names unknown tiers {unknown}; this "
                                  f"connector's tiers are {list(self._tiers)}")
 
-    def count_held(self, reporting: Iterable[str], pump: Callable[[], None]) -> bool:
-        """Count tier quotas against bytes held on the ``reporting`` tiers (their events
-        complete), with ``pump`` handing this the tiers' events before each check. False
-        (nothing to count) when no quota names a tier."""
-        p = self.policy
-        if not any(q.max_tier_bytes for q in (p.default_quota, *(p.tenants or {}).values())):
-            return False
-        self.holdings = TierHoldings()
-        self._reporting = frozenset(reporting)
-        self._pump = pump
-        return True
-
-    def tier_events(self, events: Sequence[TierEvent]) -> None:
-        if self.holdings is not None:
-            self.holdings.apply(events)
-
-    def _book(self, tenant: str) -> _Counters:
-        c = self._counters.get(tenant)
-        if c is None:
-            c = self._counters[tenant] = _Counters()
-            self._requests[tenant] = set()
-            self._holds[tenant] = []
-            limit = self.policy.quota(tenant).max_cached_blocks
-            if self._cached is not None and limit is not None:
-                self._cached.quotas[tenant] = limit
-        return c
-
-    def _of(self, st: ReqState) -> _Counters:
-        return self._counters[st.tenant]
+    def _book(self, tenant: str) -> None:
+        if tenant in self._requests:
+            return
+        self._ledger.tenant(tenant)  # a declared tenant shows in the stats from the start
+        self._requests[tenant] = set()
+        self._holds[tenant] = []
+        limit = self.policy.quota(tenant).max_cached_blocks
+        if self._cached is not None and limit is not None:
+            self._cached.quotas[tenant] = limit
 
     # ------------------------------------------------------------------ requests
     def scope(self, tenant: str, *, cache_salt: str | None, prefix_group: str | None,
@@ -560,9 +489,7 @@ class Tenants:
                             SplitHasher(self._hasher, shared, private))
 
     def opened(self, st: ReqState) -> None:
-        c = self._book(st.tenant)
-        c.requests += 1
-        c.prompt_tokens += st.req.num_prompt_tokens
+        self._book(st.tenant)
         self._requests[st.tenant].add(st)
 
     def finished(self, st: ReqState) -> None:
@@ -608,151 +535,13 @@ class Tenants:
     def refused(self, st: ReqState, reserved: int, asked: int) -> None:
         """An admission returned None; when the quota was the tighter limit, count it."""
         if reserved > asked:
-            self._of(st).quota_refusals += 1
-            self._stats.quota_refusals += 1
+            self._ledger.refused(st.tenant)
 
-    def admitted(self, st: ReqState, local_tokens: int, by_tier: Mapping[str, int]) -> None:
-        c = self._of(st)
-        c.queries += 1
-        c.queried_tokens += st.req.num_tokens
-        hits = c.hit_tokens
-        for name, n in ((DEVICE, local_tokens), *by_tier.items()):
-            hits[name] = hits.get(name, 0) + n
-
-    # ------------------------------------------------------------------ loads
     def load_started(self, st: ReqState) -> None:
         job = st.load
         assert job is not None
-        self._of(st).loads += 1
         # A load that fails or is cancelled frees the hits it adopted.
         self._enforce_after([job], st)
-
-    def _job_ended(self, job: LoadJob | StoreJob) -> None:
-        if isinstance(job, LoadJob):
-            self._load_ended(job.owner, job)
-        else:
-            self._store_ended(job.owner, job)
-
-    def _load_ended(self, st: ReqState, job: LoadJob) -> None:
-        """Mirror of the load side's counters (kvplugin.aio.loads): a load that got its
-        bytes (not cancelled, not abandoned) has an outcome; ``_copy_in`` copied every
-        chunk block below the verified end, and the states when all of it verified."""
-        c = self._of(st)
-        if job.ended is JobEnd.CANCELLED:
-            c.loads_cancelled += 1
-        out = st.outcome
-        if job.abandoned or out is None or job.ended is JobEnd.CANCELLED:
-            return
-        if out.status in (LoadStatus.PARTIAL, LoadStatus.FAILED):
-            c.loads_failed += 1
-        good = out.num_computed_tokens
-        for load in job.plan:
-            n = min(load.num_blocks, good // self._layout.block_sizes[load.group]
-                    - load.first_block)
-            c.loaded_bytes += max(0, n) * self._memory.page_bytes(load.group)
-        if good == job.end:
-            c.loaded_bytes += sum(self._memory.page_bytes(s.group) for s in job.states)
-
-    # ------------------------------------------------------------------ stores
-    def offer(self, st: ReqState, stores: Stores, offers: Sequence[StateOffer] = (),
-              tails: Sequence[StateOffer] = ()) -> int:
-        """``stores.offer``, unless it would take the tenant over a tier byte quota (then
-        the whole offer is shed); the counters it moved are the request's tenant's."""
-        if not offers and not tails and not stores.has_new_chunks(st):
-            return 0  # nothing to store: the common case, kept off the step path
-        c = self._of(st)
-        if st.admitted and st.load is None:
-            windows, nbytes = self._pending(st, offers, tails)
-            if nbytes and self._over_tier_quota(st, c, nbytes):
-                return self._shed(st, c, windows, len(offers) + len(tails))
-        s = self._stats
-        shed, dup = s.stores_shed, s.stores_deduplicated
-        before = set(st.stores)
-        started = stores.offer(st, offers, tails)  # synchronous: the deltas are this offer's
-        c.stores_shed += s.stores_shed - shed
-        c.stores_deduplicated += s.stores_deduplicated - dup
-        for job in st.stores - before:
-            self._store_started(st, c, job)
-        return started
-
-    def _pending(self, st: ReqState, offers: Sequence[StateOffer],
-                 tails: Sequence[StateOffer]) -> tuple[dict[int, range], int]:
-        """The chunks this offer covers (as the store side computes them) and the bytes it
-        could store at most."""
-        req = st.req
-        committed = req.num_computed_tokens
-        if self._config.store_prompt_only:
-            committed = min(committed, req.num_prompt_tokens)
-        hash_tokens = len(req.block_hashes) * self._keyspace.hash_block_size
-        lay, mem = self._layout, self._memory
-        windows = {g: plans.store_window(lay, g, st.next_chunk[g], committed, hash_tokens)
-                   for g in lay.chunked_groups}
-        nbytes = sum(len(w) * mem.page_bytes(g) * lay.chunk_blocks for g, w in windows.items())
-        nbytes += sum(mem.page_bytes(o.group) for o in (*offers, *tails))
-        return windows, nbytes
-
-    def _over_tier_quota(self, st: ReqState, c: _Counters, nbytes: int) -> bool:
-        limits = self.policy.quota(st.tenant).max_tier_bytes
-        if not limits:
-            return False  # no quota to check: the tiers' events wait for the next pump
-        self._pump()
-        return any(self._charged(st.tenant, c, tier) + c.store_bytes_in_flight + nbytes > n
-                   for tier, n in limits.items())
-
-    def _charged(self, tenant: str, c: _Counters, tier: str) -> int:
-        if self.holdings is not None and tier in self._reporting:
-            return self.holdings.held(tenant, tier)
-        return c.stored_bytes_by_tier.get(tier, 0)
-
-    def _shed(self, st: ReqState, c: _Counters, windows: dict[int, range],
-              num_states: int) -> int:
-        """Skip the offer's chunks as the store side does with a shed one (the cursor moves
-        on, a hole is marked so no later state claims a checkpoint without them); its
-        states, without their chunks, are dropped."""
-        n = 0
-        for g, w in windows.items():
-            if w:
-                st.hole = min(st.hole, w.start * self._layout.chunk_tokens(g))
-                st.next_chunk[g] = w.stop
-                n += len(w)
-        s = self._stats
-        c.stores_shed += n
-        c.stores_shed_quota += n
-        s.stores_shed += n
-        s.stores_shed_quota += n
-        s.states_dropped += num_states
-        return 0
-
-    def _store_started(self, st: ReqState, c: _Counters, job: StoreJob) -> None:
-        c.stores += 1
-        c.store_bytes_in_flight += job.nbytes
-        if self._tracks(st):
-            assert self.holdings is not None
-            self.holdings.expect(st.tenant, job.objects)
-
-    def _tracks(self, st: ReqState) -> bool:
-        return self.holdings is not None and bool(self.policy.quota(st.tenant).max_tier_bytes)
-
-    def _store_ended(self, st: ReqState, job: StoreJob) -> None:
-        """Mirror of the store side's counters; a done store is charged on each tier for
-        the share of its objects that tier confirmed (none where its write failed)."""
-        c = self._of(st)
-        c.store_bytes_in_flight -= job.nbytes
-        if self._tracks(st):
-            assert self.holdings is not None
-            self._pump()  # its writes' events first: a settled object no tier took is gone
-            self.holdings.settle(sid for sid, _ in job.objects)
-        if job.ended is JobEnd.DONE:
-            c.stored_chunks += len(job.items) - job.states
-            c.stored_bytes += job.nbytes
-            counts = job.tier_counts
-            if len(counts) != len(self._tiers):  # a wrapper that reports the tiers as one
-                counts = (min(counts, default=len(job.items)),) * len(self._tiers)
-            for tier, n in zip(self._tiers, counts, strict=True):
-                share = job.nbytes * min(n, len(job.items)) // max(1, len(job.items))
-                c.stored_bytes_by_tier[tier] = c.stored_bytes_by_tier.get(tier, 0) + share
-        else:
-            c.stores_failed += len(job.items)
 
     # ------------------------------------------------------------------ releases
     def releasing(self, st: ReqState) -> None:
@@ -761,7 +550,7 @@ class Tenants:
             self._cached.record(st)
 
     def released(self, st: ReqState, blocks: list[KVCacheBlock] | None = None,
-                 jobs: frozenset[Any] = frozenset()) -> None:
+                 jobs: frozenset[LoadJob | StoreJob] = frozenset()) -> None:
         """Its blocks are free (enforce the cached quota), or held for ``jobs``."""
         if blocks is not None:
             self._holds[st.tenant].append(_Hold(blocks, jobs))
@@ -784,13 +573,13 @@ class Tenants:
         group, _ = _shared(st.scope)
         n = sum(self._cached.enforce(d) for d in (st.tenant, group) if d is not None)
         if n:
-            self._of(st).quota_evictions += n
-            self._stats.quota_evictions += n
+            self._ledger.quota_evicted(st.tenant, n)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, TenantStats]:
         out = {}
-        for tenant, c in self._counters.items():
+        for tenant, c in self._ledger.tenants().items():
             cached = len(self._cached.cached(tenant)) if self._cached is not None else None
-            out[tenant] = c.freeze(tenant, self._tiers, len(self.blocks_in_use(tenant)), cached)
+            out[tenant] = _snapshot(c, tenant, self._tiers, len(self.blocks_in_use(tenant)),
+                                    cached)
         return out

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 from kvplugin.aio import plans
 from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.offload_ledger import LoadPlan
 from kvplugin.aio.probe import ask_tiers
 from kvplugin.connectors.base import Connector, Deadline
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations._events import StoredObject
 
-__all__ = ["Piece", "claim_dropped", "load_pieces", "state_pieces", "tier_claim",
+__all__ = ["Piece", "claim_dropped", "load_pieces", "tier_claim",
            "worth_reconciling"]
 
 
@@ -68,31 +69,17 @@ async def tier_claim(connector: Connector, keys: KeySpace, layout: plans.Layout,
     return plans.reconcile(layout, num_tokens, hash_tokens, hit, answer.tier_hit())
 
 
-def load_pieces(keys: KeySpace, layout: plans.Layout, tenant: str,
-                block_hashes: Sequence[bytes], table: Sequence[Sequence[int]], start: int,
-                end: int, state_at: int | None) -> list[Piece]:
-    """The objects a load of tokens ``[start, end)`` (and the states at ``state_at``)
-    fetches, and the blocks of ``table`` (vLLM's block ids per group) they land in. A
-    window group fetches only the window before ``end``; vLLM left the rest null."""
+def load_pieces(layout: plans.Layout, plan: LoadPlan) -> list[Piece]:
+    """The offload ledger's load plan as pieces: chunks (``skip`` pages of the object
+    before the first block it fills), then states, each with the vLLM blocks it lands in."""
     out = []
-    for c in plans.load_plan(layout, start, end):
-        key = keys.chunk_keys(tenant, c.group, block_hashes, c.chunk, c.chunk + 1)[0]
-        ids = list(table[c.group][c.first_block:c.first_block + c.num_blocks])
-        out.append(Piece(key, c.group, ids, c.first_block * layout.block_sizes[c.group],
+    for c, key, ids in zip(plan.chunks, plan.keys, plan.dst, strict=False):
+        out.append(Piece(key, c.group, list(ids), c.first_block * layout.block_sizes[c.group],
                          skip=c.skip))
-    for s in plans.state_plan(layout, state_at):
-        key = keys.state_key(tenant, s.group, block_hashes, s.boundary)
-        out.append(Piece(key, s.group, [table[s.group][s.slot]], s.boundary, state=True))
+    k = len(plan.chunks)
+    for s, key, ids in zip(plan.states, plan.keys[k:], plan.dst[k:], strict=True):
+        out.append(Piece(key, s.group, list(ids), s.boundary, state=True))
     return out
-
-
-def state_pieces(keys: KeySpace, layout: plans.Layout, tenant: str,
-                 block_hashes: Sequence[bytes], offers: Sequence[plans.StateOffer],
-                 events: list[StoredObject | None]) -> list[Piece]:
-    """Store pieces of the (already selected) state offers."""
-    return [Piece(keys.state_key(tenant, o.group, block_hashes, o.boundary), o.group,
-                  [o.block_id], o.boundary, state=True, event=ev)
-            for o, ev in zip(offers, events, strict=True)]
 
 
 # ------------------------------------------------------------ divergent local hybrid hits

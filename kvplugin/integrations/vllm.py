@@ -48,21 +48,15 @@ from __future__ import annotations
 import collections
 import importlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvplugin.aio import plans
 from kvplugin.aio.memory import layout_of
-from kvplugin.aio.reqstate import NO_HOLE
+from kvplugin.aio.offload_ledger import OffloadLedger, OffloadRequest, StorePlan
 from kvplugin.integrations import _events, _lookup, _runtime
 from kvplugin.integrations._groups import GroupIO, group_ios, map_groups, pages_in
-from kvplugin.integrations._hits import (
-    Piece,
-    claim_dropped,
-    load_pieces,
-    state_pieces,
-    worth_reconciling,
-)
+from kvplugin.integrations._hits import Piece, claim_dropped, load_pieces, worth_reconciling
 from kvplugin.integrations._stats import KVPluginPromMetrics, KVPluginStats
 from kvplugin.integrations._worker import WorkerSide
 
@@ -137,9 +131,7 @@ class _ReqState:
 
     request: Any
     tenant: str  # "" when the request's tenant is not a valid name: no offload
-    next_chunk: list[int] = field(default_factory=list)  # per group: next chunk to store
-    known_until: int = 0  # the hit it was admitted with: states up to it are not stored
-    hole: int = NO_HOLE  # first token of a chunk that could not be stored
+    offload: OffloadRequest | None  # the ledger's state of it (None: no offload)
     had_saves: bool = False
     loading: bool = False  # an async load not yet reported finished
     local_tokens: int = 0  # the device's hit at the last lookup
@@ -183,6 +175,13 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         self._keys = _runtime.keyspace_for(self._config, shapes, hbs, block_size)
         unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or hbs
         self._layout = layout_of(shapes, self._keys.groups[0].chunk_blocks, unit)
+        # The native manager's store decisions, untracked: vLLM tells the scheduler when a
+        # running request's stores end to no one, so the in-flight budget and duplicate
+        # suppression are the worker's I/O gate's and the tiers' (a put is idempotent).
+        self._ledger = OffloadLedger(self._layout, self._keys,
+                                     page_bytes=[s.page_bytes for s in shapes], tiers=(),
+                                     store_budget_bytes=None,
+                                     store_prompt_only=self._config.offload.store_prompt_only)
         # The worker owns the tiers and answers the scheduler's lookups (:mod:`._lookup`):
         # vLLM runs the two roles in different processes, and a tier has one owner.
         path = _lookup.socket_path(str(self._kv_transfer_config.engine_id),
@@ -253,8 +252,9 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
                 # A user-supplied salt must not crash the scheduler: no offload for it.
                 logger.warning("request %s: no KV offload: %s", request.request_id, e)
                 tenant = ""
-            st = self._reqs[request.request_id] = _ReqState(
-                request, tenant, [0] * len(self._groups))
+            offload = self._ledger.open(request.request_id, tenant, tenant,
+                                        request.num_prompt_tokens) if tenant else None
+            st = self._reqs[request.request_id] = _ReqState(request, tenant, offload)
         return st
 
     # --------------------------------------------------------------- scheduler
@@ -348,14 +348,16 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         local = max(st.local_tokens, request.num_computed_tokens)
         end = local + num_external_tokens
         self._admit(st, end)
-        pieces = load_pieces(self._keys, self._layout, st.tenant, request.block_hashes,
-                             blocks.get_block_ids(), local, end, st.state_at)
+        assert st.offload is not None  # a claim is only made for a valid tenant
+        plan = self._ledger.load_plan(st.offload, request, blocks.get_block_ids(), local, end,
+                                      st.state_at)
+        pieces = load_pieces(self._layout, plan)
         # vLLM allocated every block the plan names (the native core's rules), and a state
         # lands in a fresh block (on a diverged hit too: the claim ends past every Mamba
         # block vLLM found). A null block, or a state slot holding a cached block (another
         # prefix's state), would mean it did not: the load fails (vLLM recomputes) instead
         # of writing there.
-        broken = any(0 in p.block_ids for p in pieces) or self._on_cached(blocks, pieces)
+        broken = plan.lands_on_null or self._on_cached(blocks, pieces)
         if broken:
             logger.warning("kvplugin load for %s: vLLM gave a null or cached block for a "
                            "planned object; the load fails and vLLM recomputes",
@@ -378,9 +380,9 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         """The request computes from ``end``: device hits were stored by whoever computed
         them, loaded chunks came from a tier, so stores start after both (a resumed
         request restarts here too)."""
-        for g in self._layout.chunked_groups:
-            st.next_chunk[g] = end // self._layout.chunk_tokens(g)
-        st.known_until, st.hole, st.settle = end, NO_HOLE, False
+        if st.offload is not None:
+            self._ledger.admitted(st.offload, end)
+        st.settle = False
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPluginConnectorMetadata:
         """This step's loads (planned at allocation), stores (the chunks this step's tokens
@@ -413,10 +415,8 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         """vLLM took computed tokens back (a failed load, recomputed from its first bad
         block): the chunks from there are computed again and offered again (the worker
         withheld what the failed step computed)."""
-        done = st.request.num_computed_tokens
-        for g in self._layout.chunked_groups:
-            st.next_chunk[g] = min(st.next_chunk[g], done // self._layout.chunk_tokens(g))
-        st.known_until = min(st.known_until, done)
+        if st.offload is not None:
+            self._ledger.rewind(st.offload, st.request.num_computed_tokens)
 
     def _mark_reads(self, meta: KVPluginConnectorMetadata) -> None:
         """Name in each store the blocks of this step's synchronous loads its request
@@ -432,41 +432,31 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
 
     def _plan_save(self, st: _ReqState, computed_after: int, meta: KVPluginConnectorMetadata,
                    offers: Any = (), alive: bool = True) -> None:
-        if self._kvm is None or not st.tenant or not alive:
-            return  # a preempted request's blocks may be reused already: read none of them
+        """The ledger's plan for what this step computes (``computed_after`` tokens
+        computed once it ran) and the states vLLM handed over; a preempted or finished
+        request's blocks may be reused already: none of them is read."""
+        if self._kvm is None or st.offload is None:
+            return
         req = st.request
-        table = self._kvm.get_block_ids(req.request_id)
-        pieces = self._chunk_pieces(st, table, computed_after)
-        if offers:
-            pieces += self._state_offers(st, [plans.StateOffer(*o) for o in offers], True)
-        if pieces:
-            meta.saves.append(SaveSpec(req.request_id, pieces))
+        plan = self._ledger.offer(
+            st.offload, req, computed=computed_after,
+            table=self._kvm.get_block_ids(req.request_id) if alive else (),
+            offers=[plans.StateOffer(*o) for o in offers], alive=alive and not st.loading)
+        if plan is not None:
+            meta.saves.append(SaveSpec(req.request_id, self._pieces(st, plan)))
             st.had_saves = True
 
-    def _chunk_pieces(self, st: _ReqState, table: Any, computed_after: int) -> list[Piece]:
-        req, lay = st.request, self._layout
-        offers = plans.chunk_offers(lay, st.next_chunk, computed_after,
-                                    len(req.block_hashes) * self._keys.hash_block_size,
-                                    table, st.hole)
-        st.next_chunk[:] = offers.next_chunk
-        st.hole = offers.hole
-        return [Piece(self._keys.chunk_keys(st.tenant, o.group, req.block_hashes, o.chunk,
-                                            o.chunk + 1)[0],
-                      o.group, list(o.block_ids), o.chunk * lay.chunk_tokens(o.group),
-                      event=self._chunk_event(st, o.group, o.chunk))
-                for o in offers.chunks]
-
-    def _state_offers(self, st: _ReqState, offers: list[plans.StateOffer], alive: bool
-                      ) -> list[Piece]:
-        """The offered states worth storing (the native manager's rules: not of a request
-        that is gone or loading, not a null block, past the admitted hit, on the claim
-        alignment, not past a chunk that could not be stored)."""
-        req = st.request
-        kept, _ = plans.select_states(self._layout, offers, alive=alive and not st.loading,
-                                      known_until=st.known_until, save_end=req.num_tokens,
-                                      hole=st.hole)
-        return state_pieces(self._keys, self._layout, st.tenant, req.block_hashes, kept,
-                            [self._state_event(st, o.group, o.boundary) for o in kept])
+    def _pieces(self, st: _ReqState, plan: StorePlan) -> list[Piece]:
+        out = []
+        for o in plan.objects:
+            if o.state:
+                out.append(Piece(o.key, o.group, list(o.block_ids), o.index, state=True,
+                                 event=self._state_event(st, o.group, o.index)))
+            else:
+                out.append(Piece(o.key, o.group, list(o.block_ids),
+                                 o.index * self._layout.chunk_tokens(o.group),
+                                 event=self._chunk_event(st, o.group, o.index)))
+        return out
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
@@ -504,13 +494,14 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         (no token was forwarded past it). The blocks stay until the store is done: the
         request's ``request_finished`` delays the free."""
         st = self._reqs.get(request.request_id)
-        if st is None or not st.tenant or st.loading:
+        if st is None or st.offload is None or st.loading:
             return False
-        pieces = self._state_offers(st, [plans.StateOffer(*t) for t in partial_tail_offloads],
-                                    True)
-        if not pieces:
+        plan = self._ledger.offer(st.offload, request, computed=request.num_computed_tokens,
+                                  table=block_ids,
+                                  tails=[plans.StateOffer(*t) for t in partial_tail_offloads])
+        if plan is None:
             return False
-        self._meta.saves.append(SaveSpec(request.request_id, pieces))
+        self._meta.saves.append(SaveSpec(request.request_id, self._pieces(st, plan)))
         st.had_saves = True
         return True
 

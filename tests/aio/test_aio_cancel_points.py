@@ -424,8 +424,8 @@ def _check_stats(run: Run, what: str, jobs: Sequence[Job]) -> None:
         f"{what}: loads {s.loads}/{len(loads)}, cancelled {s.loads_cancelled}/{cancelled}"
     assert s.loads_failed <= s.loads - s.loads_cancelled, f"{what}: {s}"
     done = [j for j in stores if j.ended is JobEnd.DONE]
-    expect = (len(stores), sum(len(j.items) - j.states for j in done),
-              sum(j.states for j in done),
+    expect = (len(stores), sum(len(j.items) - len(j.plan.states) for j in done),
+              sum(len(j.plan.states) for j in done),
               sum(len(j.items) for j in stores if j.ended is not JobEnd.DONE))
     got = (s.stores, s.stored_chunks, s.stored_states, s.stores_failed)
     assert got == expect, f"{what}: (stores, chunks, states, failed) {got} != {expect}"

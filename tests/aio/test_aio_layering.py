@@ -14,7 +14,7 @@ AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.ai
        "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
        "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
        "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop",
-       "kvplugin.aio.holdings"]
+       "kvplugin.aio.holdings", "kvplugin.aio.offload_ledger"]
 
 
 def _static_imports(root: Path) -> list[tuple[Path, int, str]]:
@@ -69,3 +69,24 @@ def test_async_layer_reaches_the_core_only_through_its_view() -> None:
             if isinstance(node, ast.Attribute) and node.attr in CORE_INTERNALS:
                 bad.append((path.relative_to(REPO), node.lineno, node.attr))
     assert not bad, bad
+
+
+# The offload ledger's state machine and the decisions it takes: synchronous, no I/O, no
+# core objects (both integrations execute it; neither's runtime may leak in).
+PURE = ["offload_ledger", "plans", "holdings"]
+PURE_MAY_IMPORT = {"__future__", "collections.abc", "dataclasses", "typing", "itertools",
+                   "math", "types", "kvplugin.aio", "kvplugin.aio.plans",
+                   "kvplugin.aio.holdings", "kvplugin.aio.keys", "kvplugin.aio.values",
+                   "kvplugin.connectors.events", "kvplugin.connectors.keys",
+                   "kvplugin.core.single_type.mamba_checkpoints"}
+
+
+def test_the_offload_ledger_is_synchronous_and_pure() -> None:
+    for name in PURE:
+        path = REPO / "kvplugin" / "aio" / f"{name}.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imports = {m for p, _, m in _static_imports(path.parent) if p == path}
+        assert imports <= PURE_MAY_IMPORT, (name, sorted(imports - PURE_MAY_IMPORT))
+        asyncs = [n.lineno for n in ast.walk(tree)
+                  if isinstance(n, ast.AsyncFunctionDef | ast.Await | ast.AsyncWith)]
+        assert not asyncs, (name, asyncs)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvplugin.aio import plans
 from kvplugin.aio.plans import Layout
-from kvplugin.aio.reqstate import NO_HOLE
+from kvplugin.aio.offload_ledger import NO_HOLE
 
 
 @st.composite

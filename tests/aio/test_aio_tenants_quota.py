@@ -468,13 +468,13 @@ async def test_tier_byte_quota_bounds_bytes_held_through_evictions() -> None:
     async with make(policy, host=5 * one + one // 2) as mgr:
         model = FakeModel(mgr)
         conn: Any = mgr.connector
-        holdings = mgr.tenants.holdings
+        holdings = mgr.offloads.holdings
         assert holdings is not None
         for i in range(12):
             await serve(mgr, model, mgr.new_request(f"a{i}", list(range(100 * i, 100 * i + 12)),
                                                     tenant="a"))
             await mgr.drain()
-            mgr.tenants._pump()  # what the tier did since the last store ended
+            mgr.offloads.refresh_holdings()  # what the tier did since the last store ended
             held = holdings.held("a", "memory")
             assert held == len(conn) * PAGE <= min(quota, 5 * PAGE), (i, held, len(conn))
         ts = assert_sums(mgr)

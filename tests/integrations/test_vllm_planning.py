@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from types import SimpleNamespace
+from typing import Any
 
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import GroupShape, PageShape, StateShape, layout_of
+from kvplugin.aio.offload_ledger import OffloadLedger
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.integrations._hits import (
@@ -66,20 +69,29 @@ def test_mamba_hit_is_the_deepest_boundary_with_a_stored_state() -> None:
     assert _claim([FULL, STATE], chunks, [128], 160, local=64)[:2] == (64, 128)
 
 
+def _load_pieces(keys: KeySpace, shapes: list[GroupShape], table: tuple[list[int], ...],
+                 end: int, state_at: int | None) -> list[Any]:
+    """The pieces of the ledger's load plan of ``[0, end)``, as the connector builds them."""
+    lay = layout_of(shapes, 1, BS)
+    ledger = OffloadLedger(lay, keys, page_bytes=[s.page_bytes for s in shapes], tiers=(),
+                           store_budget_bytes=None)
+    req = SimpleNamespace(block_hashes=_hashes(10), num_tokens=160, num_prompt_tokens=160)
+    plan = ledger.load_plan(ledger.open("r", "t", "t", 160), req, table, 0, end, state_at)
+    return load_pieces(lay, plan)
+
+
 def test_load_pieces_fetch_the_window_and_the_state_into_vllms_slots() -> None:
     hashes = _hashes(10)
     keys = KeySpace("m", [FULL, WINDOW], BS)
-    lay = layout_of([FULL, WINDOW], 1, BS)
     table = ([11, 12, 13, 14, 15], [0, 0, 0, 24, 25])  # vLLM nulled the window's past
-    pieces = load_pieces(keys, lay, "t", hashes, table, 0, 80, None)
+    pieces = _load_pieces(keys, [FULL, WINDOW], table, 80, None)
     assert [(p.group, p.block_ids, p.first_token) for p in pieces] == [
         (0, [11], 0), (0, [12], 16), (0, [13], 32), (0, [14], 48), (0, [15], 64),
         (1, [24], 48), (1, [25], 64)]
     assert pieces[5].key == keys.chunk_keys("t", 1, hashes, 3, 4)[0]
     skeys = KeySpace("m", [FULL, STATE], BS)
-    slay = layout_of([FULL, STATE], 1, BS)
     table = ([11, 12, 13, 14, 15, 16], [0, 31])  # the state at 96 lives in slot 1
-    pieces = load_pieces(skeys, slay, "t", hashes, table, 0, 96, 96)
+    pieces = _load_pieces(skeys, [FULL, STATE], table, 96, 96)
     assert [(p.group, p.block_ids, p.state) for p in pieces][-1] == (1, [31], True)
     assert pieces[-1].key == skeys.state_key("t", 1, hashes, 96)
     assert len(pieces) == 7
