@@ -15,7 +15,14 @@ import asyncio
 import enum
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +42,7 @@ __all__ = [
     "LoadJob",
     "PendingCopy",
     "Priority",
+    "RunningJobs",
     "StoreJob",
     "connector_tiers",
     "lookup_levels",
@@ -228,6 +236,57 @@ class StoreJob:
     # Copy-outs not done at hand-off: run first thing in the job (see Stores._start).
     prepare: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
     pending: PendingCopy | None = field(default=None, repr=False)  # what ``prepare`` copies
+
+
+class RunningJobs:
+    """The jobs one manager runs: added at their start, discarded at their release."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self) -> None:
+        self._jobs: set[LoadJob | StoreJob] = set()
+
+    def add(self, job: LoadJob | StoreJob) -> None:
+        self._jobs.add(job)
+
+    def discard(self, job: LoadJob | StoreJob) -> None:
+        self._jobs.discard(job)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __iter__(self) -> Iterator[LoadJob | StoreJob]:
+        return iter(list(self._jobs))
+
+    def by_kind(self) -> dict[str, int]:
+        """Jobs running now, by kind (``"load"``, ``"store"``)."""
+        loads = sum(isinstance(j, LoadJob) for j in self._jobs)
+        return {"load": loads, "store": len(self._jobs) - loads}
+
+    async def wait_all(self, *, cancel: bool = False) -> None:
+        """Until every job (and any they lead to) has ended; ``cancel`` cancels them first."""
+        while self._jobs:
+            if cancel:
+                for job in list(self._jobs):
+                    if job.task is not None:
+                        job.task.cancel()
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Wait for the running jobs' tasks (not gather: cancelling this wait must not
+        cancel them). A job still registered after its task ended is a bookkeeping bug:
+        raise instead of spinning, since a loop that never yields lets no deadline fire."""
+        running = [j.task for j in self._jobs if j.task is not None and not j.task.done()]
+        if running:
+            await asyncio.wait(running)
+            return
+        await asyncio.sleep(0)  # a done callback that releases them may still be queued
+        if self._jobs and all(j.task is None or j.task.done() for j in self._jobs):
+            raise RuntimeError(f"{len(self._jobs)} offload job(s) ended but were never "
+                               "released; their pins and budget are lost")
 
 
 def start(job: LoadJob | StoreJob, coro: Coroutine[Any, Any, None], name: str,

@@ -48,27 +48,27 @@ Latency: tier lookups, load jobs and store jobs are timed into histograms
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from kvplugin.aio import plans
+from kvplugin.aio.admission import Admissions, Step
 from kvplugin.aio.jobs import (
     IOGate,
     LoadJob,
+    RunningJobs,
     StoreJob,
     connector_tiers,
     tier_names,
 )
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.ledger import TokenLedger
-from kvplugin.aio.loadcost import Choice, LoadCosts
+from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.loads import Loads
 from kvplugin.aio.memory import HostKVMemory, layout_of, shape_of_group
 from kvplugin.aio.offload_ledger import OffloadLedger
-from kvplugin.aio.plans import Claim, LocalHit, StateOffer, TierHit
+from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.probe import ask_tiers
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, JobContext, Stores
@@ -91,38 +91,12 @@ from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.events import KVCacheEvent
 from kvplugin.core.hashing import BlockHasher, HashContext
-from kvplugin.core.manager import KVCacheBlocks, KVCacheManager
+from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.request import LoRAInfo, Request, RequestStatus
 
 __all__ = ["AsyncKVManager", "device_salt"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """What the engine grants one allocation (see ``AsyncKVManager.allocate``)."""
-
-    max_tokens: int | None
-    lookahead: int
-    reserved: int
-    has_scheduled: bool
-
-    def tokens(self, remaining: int) -> int:
-        if remaining < 1:
-            raise ValueError("the request has no token left to compute")
-        return remaining if self.max_tokens is None else min(self.max_tokens, remaining)
-
-
-@dataclass(frozen=True, slots=True)
-class _Local:
-    """The device's hit: the reconciled blocks, the per-group (diverged) ones, the token
-    counts, and the reconciled lookup's shared-prefix boundary."""
-
-    blocks: KVCacheBlocks
-    deep_blocks: KVCacheBlocks
-    hit: LocalHit
-    boundary: int
 
 
 class AsyncKVManager:
@@ -177,7 +151,7 @@ class AsyncKVManager:
             tier_quota=lambda t: policy.quota(t).max_tier_bytes, stats=self._stats)
         self.tenants = Tenants(policy, core=core, keyspace=self.keyspace, layout=self.layout,
                                hasher=self.hasher, tiers=self.tiers, ledger=self.offloads)
-        self._jobs: set[LoadJob | StoreJob] = set()
+        self._jobs = RunningJobs()
         self._holds = Holds(core)
         self._latency = LatencyRecorder(self.tiers)
         self._residency = ResidencyRecorder()
@@ -203,6 +177,10 @@ class AsyncKVManager:
                 ledger=self.offloads, events=self.tier_events)
             self._loads = Loads(ctx, costs=self.load_costs)
             self._stores = Stores(ctx)
+        self._admissions = Admissions(
+            core, self.layout, memory, tiers=self.tiers, ledger=self.offloads,
+            tenants=self.tenants, loads=self._loads, costs=self.load_costs, stats=self._stats,
+            divergent=self._divergent)
         self._closed = False
 
     @property
@@ -257,19 +235,6 @@ class AsyncKVManager:
     def _hash_tokens(self, req: Request) -> int:
         return len(req.block_hashes) * self._hash_block_size
 
-    def _local_hit(self, req: Request) -> _Local:
-        """The device hit, per group when a Mamba state may lag the attention hit (the
-        reconciled one is then looked up too, as vLLM's scheduler does)."""
-        core = self.core
-        if self._divergent:
-            deep_blocks, deep, boundary, diverged = core.get_computed_blocks_for_connector(req)
-            if diverged:
-                blocks, hit, boundary = core.get_computed_blocks(req)
-                return _Local(blocks, deep_blocks, LocalHit(hit, deep), boundary)
-            return _Local(deep_blocks, deep_blocks, LocalHit(deep, deep), boundary)
-        blocks, hit, boundary = core.get_computed_blocks(req)
-        return _Local(blocks, blocks, LocalHit(hit, hit), boundary)
-
     # ------------------------------------------------------------------ lookup
     async def lookup(self, req: Request) -> Lookup:
         """The local hit and what the tiers hold beyond it, within ``lookup_timeout``: a
@@ -278,7 +243,7 @@ class AsyncKVManager:
         st = self._state(req)
         if st.admitted:
             raise ValueError(f"request {req.request_id!r} already holds blocks")
-        hit = self._local_hit(req).hit
+        hit = self._admissions.local_hit(req).hit
         base = plans.device_base(self.layout, hit)
         windows = plans.lookup_window(self.layout, req.num_tokens, base, self._hash_tokens(req))
         first = tuple(w.start for w in windows)
@@ -338,151 +303,13 @@ class AsyncKVManager:
             raise ValueError(f"request {req.request_id!r} is waiting for its KV load")
         if lookup is not None and lookup.request_id != req.request_id:
             raise ValueError(f"lookup of {lookup.request_id!r} given for {req.request_id!r}")
-        step = _Step(num_new_tokens, num_lookahead_tokens, reserved_blocks, has_scheduled_reqs)
+        step = Step(num_new_tokens, num_lookahead_tokens, reserved_blocks, has_scheduled_reqs)
         if not st.admitted:
-            return self._admit(st, lookup, step)
+            return self._admissions.admit(st, lookup, step)
         if lookup is not None:
             raise ValueError(f"request {req.request_id!r} already holds blocks; "
                              "a lookup only applies to an admission")
-        start = req.num_computed_tokens
-        n = self._split(req, start, step.tokens(req.num_tokens - start))
-        blocks = self.core.allocate_slots(
-            req, n, num_lookahead_tokens=num_lookahead_tokens, reserved_blocks=reserved_blocks,
-            has_scheduled_reqs=has_scheduled_reqs)
-        if blocks is None:
-            return None
-        self._run_copies()
-        return Admission(blocks, n)
-
-    def _cost_cut(self, claim: Claim, lookup: Lookup) -> tuple[Claim, Choice]:
-        """The claim cut where loading stops paying (kvplugin.aio.loadcost); the rest is
-        computed. Layouts with states keep their claims (a state ends where it ends)."""
-        assert self.load_costs is not None
-        units = plans.claim_units(self.layout, self.tiers, lookup.first, lookup.levels,
-                                  claim.local, claim.local + claim.external)
-        choice = self.load_costs.plan(units)
-        if choice.slow is None:
-            return claim, choice
-        external = sum(n for _, _, n in units[:choice.keep])
-        return dataclasses.replace(claim, external=external), choice
-
-    def _cost_settled(self, st: ReqState, lookup: Lookup, claim: Claim, uncut: int,
-                      choice: Choice) -> None:
-        """The admitted claim's choice: counted once, however often admission was tried;
-        a probe reads one of the skipped objects aside."""
-        assert self.load_costs is not None and self._loads is not None
-        self.load_costs.settle(choice)
-        if choice.probe is not None:  # among the tokens cut: [kept end, claimed end)
-            self._loads.probe(st, lookup, claim.local + claim.external, claim.local + uncut,
-                              choice.probe)
-        if choice.slow is not None:
-            s = self._stats
-            s.loads_skipped_slower_than_recompute[choice.slow] = (
-                s.loads_skipped_slower_than_recompute.get(choice.slow, 0) + 1)
-            s.skipped_load_tokens += uncut - claim.external
-
-    def _split(self, req: Request, start: int, n: int) -> int:
-        if not self.layout.state_groups:
-            return n
-        partial = self.core.offload_view().partial_hash_hits
-        return plans.mamba_split(
-            start, n, num_prompt_tokens=req.num_prompt_tokens, num_tokens=req.num_tokens,
-            block_size=self.layout.block_sizes[self.layout.state_groups[0]],
-            checkpoint_unit=self._hash_block_size if partial else None)
-
-    def _run_copies(self) -> None:
-        """The device's copy-on-write of shared partial (Mamba) tails, before the step that
-        writes either block; then the core may let the retained endpoints go."""
-        copies, retained = self.core.take_kv_cache_block_copies()
-        for c in copies:
-            self.memory.copy_block(c.src_block_id, c.dst_block_id)
-        if retained:
-            self.core.free_retained_blocks(retained)
-
-    def _admit(self, st: ReqState, lookup: Lookup | None, step: _Step) -> Admission | None:
-        req = st.req
-        if req.num_computed_tokens:
-            raise ValueError(f"request {req.request_id!r} holds no blocks but claims "
-                             f"{req.num_computed_tokens} computed tokens")
-        local = self._local_hit(req)
-        claim = Claim(local.hit.reconciled)
-        if lookup is not None and not st.skip_external and self.connector is not None:
-            tier = TierHit(lookup.first, lookup.present, frozenset(b for b, _ in lookup.states))
-            claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req),
-                                    local.hit, tier)
-        choice, uncut = None, claim.external
-        if self.load_costs is not None and claim.external and claim.state_at is None:
-            assert lookup is not None
-            claim, choice = self._cost_cut(claim, lookup)
-        loads = claim.loads
-        n = 0 if loads else self._split(req, claim.local,
-                                        step.tokens(req.num_tokens - claim.local))
-        req.shared_prefix_boundary = 0 if claim.deep else local.boundary
-        hits = self._claim_blocks(local, claim)
-        reserved = self.tenants.admission_reserve(st, hits, step.reserved, step.has_scheduled)
-        blocks = self.core.allocate_slots(
-            req, n, claim.local, hits,
-            num_lookahead_tokens=0 if loads else step.lookahead,
-            num_external_computed_tokens=claim.external, delay_cache_blocks=loads,
-            reserved_blocks=reserved, has_scheduled_reqs=step.has_scheduled)
-        if blocks is None:
-            self.tenants.refused(st, reserved, step.reserved)
-            return None
-        self._run_copies()
-        if choice is not None:
-            assert lookup is not None
-            self._cost_settled(st, lookup, claim, uncut, choice)
-        st.admitted = True
-        st.outcome = None
-        total = claim.local + claim.external
-        req.num_computed_tokens = total  # optimistic during a load, as in vLLM
-        self.core.record_prefix_cache_stats(req, claim.local)
-        self.offloads.admitted(st.offload, total, None if lookup is None else tuple(
-            f + len(p) for f, p in zip(lookup.first, lookup.levels, strict=True)))
-        by_tier = self._count_hits(st, claim, lookup)
-        if loads:
-            # A claim of tier tokens comes from a lookup of a manager with a connector.
-            assert self._loads is not None and lookup is not None
-            self._loads.start(st, claim, lookup)
-            self.tenants.load_started(st)
-        return Admission(blocks, n, claim.local, claim.external, loads, by_tier, claim.state_at)
-
-    def _claim_blocks(self, local: _Local, claim: Claim) -> KVCacheBlocks:
-        """The device blocks a claim adopts: attention groups cut to ``claim.local``, and
-        no state when the state comes from a tier (the core then gives the state slot a
-        fresh block)."""
-        if not claim.deep and claim.state_at is None and claim.local == local.hit.reconciled:
-            return local.blocks
-        src = local.deep_blocks if claim.deep else local.blocks
-        out = []
-        for g, lst in enumerate(src.blocks):
-            if not self.layout.chunked(g):
-                out.append([] if claim.state_at is not None else list(lst))
-            else:
-                out.append(list(lst[:claim.local // self.layout.block_sizes[g]]))
-        return self.core.create_kv_cache_blocks(tuple(out))
-
-    def _count_hits(self, st: ReqState, claim: Claim, lookup: Lookup | None
-                    ) -> dict[str, int]:
-        """Book the admission's hits (per query: the hit rate's) and open the request's
-        ledger pass (prompt positions only: see :mod:`kvplugin.aio.ledger`)."""
-        req = st.req
-        end, prompt = claim.local + claim.external, req.num_prompt_tokens
-        if not claim.external or lookup is None:
-            self.offloads.booked_hits(st.tenant, queried_tokens=req.num_tokens,
-                                      local=claim.local, external=0, by_tier={})
-            st.ledger.admitted(min(claim.local, prompt), {}, end, claim.loads)
-            return {}
-        state_level = next((lv for b, lv in lookup.states if b == claim.state_at), None)
-        out = plans.tokens_by_tier(self.layout, self.tiers, lookup.first, lookup.levels,
-                                   claim.local, end, state_level)
-        self.offloads.booked_hits(st.tenant, queried_tokens=req.num_tokens, local=claim.local,
-                                  external=claim.external, by_tier=out)
-        booked = out if end <= prompt else plans.tokens_by_tier(
-            self.layout, self.tiers, lookup.first, lookup.levels, claim.local, prompt,
-            state_level)
-        st.ledger.admitted(min(claim.local, prompt), booked, end, claim.loads)
-        return out
+        return self._admissions.grow(st, step)
 
     # ------------------------------------------------------------------ loads
     async def wait_load(self, req: Request) -> LoadOutcome:
@@ -610,8 +437,7 @@ class AsyncKVManager:
 
     def pending_jobs(self) -> dict[str, int]:
         """Jobs running now, by kind (``"load"``, ``"store"``)."""
-        loads = sum(isinstance(j, LoadJob) for j in self._jobs)
-        return {"load": loads, "store": len(self._jobs) - loads}
+        return self._jobs.by_kind()
 
     def has_pending_work(self) -> bool:
         """Jobs still run (vLLM's ``has_pending_push_work``: keep the engine stepping)."""
@@ -667,8 +493,7 @@ class AsyncKVManager:
         """Wait until every job started so far (and any they lead to) has ended, and the
         load-cost probes' reads. Cancelling the wait (e.g. a ``wait_for`` timing out)
         leaves the jobs running."""
-        while self._jobs:
-            await self._wait_jobs()
+        await self._jobs.wait_all()
         if self._loads is not None:
             await self._loads.wait_probes()
 
@@ -679,29 +504,12 @@ class AsyncKVManager:
             return
         self._closed = True
         try:
-            while self._jobs:
-                for job in list(self._jobs):
-                    if job.task is not None:
-                        job.task.cancel()
-                await self._wait_jobs()
+            await self._jobs.wait_all(cancel=True)
             if self._loads is not None:
                 await self._loads.wait_probes(cancel=True)
         finally:
             if self.config.close_connector and self.connector is not None:
                 await self.connector.aclose()
-
-    async def _wait_jobs(self) -> None:
-        """Wait for the running jobs' tasks (not gather: cancelling this wait must not
-        cancel them). A job still registered after its task ended is a bookkeeping bug:
-        raise instead of spinning, since a loop that never yields lets no deadline fire."""
-        running = [j.task for j in self._jobs if j.task is not None and not j.task.done()]
-        if running:
-            await asyncio.wait(running)
-            return
-        await asyncio.sleep(0)  # a done callback that releases them may still be queued
-        if self._jobs and all(j.task is None or j.task.done() for j in self._jobs):
-            raise RuntimeError(f"{len(self._jobs)} offload job(s) ended but were never "
-                               "released; their pins and budget are lost")
 
     async def __aenter__(self) -> AsyncKVManager:
         return self

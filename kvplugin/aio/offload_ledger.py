@@ -240,23 +240,27 @@ class OffloadLedger:
         n = self.layout.num_groups
         return OffloadRequest(request_id, tenant, scope, [0] * n, keys=[[] for _ in range(n)])
 
-    def admitted(self, rq: OffloadRequest, end: int,
-                 stored_until: Sequence[int] | None = None) -> None:
+    def admitted(self, rq: OffloadRequest, end: int, stored_until: Sequence[int] = ()) -> None:
         """The request computes from ``end`` (its device hit and claim): chunks inside it
-        came from somewhere that stored them, and so did states up to it. Chunks a lookup
-        found stored beyond the claim (``stored_until``: per group, the end of what it
-        found) need no store either (vLLM's chunk-level policy)."""
+        came from somewhere that stored them, and so did states up to it. Chunks its
+        lookup found stored beyond the claim (``stored_until``: per group, the end of what
+        the tiers hold, :attr:`~kvplugin.aio.plans.Claim.stored_until`) need no store
+        either (vLLM's chunk-level policy)."""
         for g in self.layout.chunked_groups:
             n = end // self._chunk_tokens[g]
-            if stored_until is not None:
+            if stored_until:
                 n = max(n, stored_until[g])
             rq.next_chunk[g] = n
         rq.known_until = end
         rq.hole = NO_HOLE
 
     def rewind(self, rq: OffloadRequest, done: int) -> None:
-        """Computed tokens were taken back to ``done`` (a load verified less than it
-        claimed): the chunks from there are computed, and offered, again."""
+        """The request's computed tokens are ``done``: below where it was admitted from
+        (a load verified less than it claimed), the chunks from there are computed, and
+        offered, again; anything else changes nothing (the cursor may be past ``done``:
+        chunks its lookup found stored are skipped)."""
+        if done >= rq.known_until:
+            return
         for g in self.layout.chunked_groups:
             rq.next_chunk[g] = min(rq.next_chunk[g], done // self._chunk_tokens[g])
         rq.known_until = min(rq.known_until, done)

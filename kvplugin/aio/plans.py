@@ -22,6 +22,7 @@ dropped when one of them cannot be stored (:func:`select_states`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Sequence, Set
@@ -218,6 +219,11 @@ class Claim:
     external: int = 0
     state_at: int | None = None
     deep: bool = False
+    # Per group, the end of the chunks the lookup found stored (the tiers' run from the
+    # lookup window's start; 0 for a state group): chunks below it need no store, whatever
+    # was claimed. A fact of the lookup
+    # the claim came from, not part of the decision (equal claims may differ here).
+    stored_until: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def loads(self) -> bool:
@@ -314,6 +320,15 @@ def reconcile(layout: Layout, num_tokens: int, num_hash_tokens: int, hit: LocalH
       lagging state at N — the case vLLM's offload connectors give up on.
     * No such N: the reconciled hit alone (a local sub-block tail stays).
     """
+    claim = _reconcile(layout, num_tokens, num_hash_tokens, hit, tier)
+    # Below a window's start the device holds the chunks: whoever computed them offered them.
+    stored = tuple(f + p if layout.chunked(g) else 0
+                   for g, (f, p) in enumerate(zip(tier.first, tier.present, strict=True)))
+    return dataclasses.replace(claim, stored_until=stored)
+
+
+def _reconcile(layout: Layout, num_tokens: int, num_hash_tokens: int, hit: LocalHit,
+               tier: TierHit) -> Claim:
     reach = _chunks_reach(layout, hit, tier)
     cap = _claim_cap(layout, num_tokens, num_hash_tokens)
     best = 0

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvplugin.aio import plans
-from kvplugin.aio.jobs import IOGate, JobEnd, LoadJob, PendingCopy, StoreJob, run_store
+from kvplugin.aio.jobs import (
+    IOGate,
+    JobEnd,
+    LoadJob,
+    PendingCopy,
+    RunningJobs,
+    StoreJob,
+    run_store,
+)
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import HostKVMemory
@@ -149,7 +157,7 @@ class JobContext:
     keyspace: KeySpace
     gate: IOGate
     stats: OffloadStats
-    jobs: set[Job]
+    jobs: RunningJobs
     holds: Holds
     latency: LatencyRecorder
     ledger: OffloadLedger

@@ -97,18 +97,19 @@ def _decode_query(frame: bytes) -> ClaimQuery:
 
 
 def _encode_claim(c: plans.Claim) -> bytes:
-    return _bound(cbor2.dumps([c.local, c.external, c.state_at, c.deep]))
+    return _bound(cbor2.dumps([c.local, c.external, c.state_at, c.deep, list(c.stored_until)]))
 
 
 def _decode_claim(frame: bytes) -> plans.Claim:
     try:
-        local, external, state_at, deep = cbor2.loads(frame)
+        local, external, state_at, deep, stored = cbor2.loads(frame)
     except Exception as e:
         raise ValueError(f"malformed lookup reply: {e!r}") from None
     if (type(local) is not int or type(external) is not int
-            or not (state_at is None or type(state_at) is int) or type(deep) is not bool):
+            or not (state_at is None or type(state_at) is int) or type(deep) is not bool
+            or type(stored) is not list or any(type(n) is not int for n in stored)):
         raise ValueError("malformed lookup reply")
-    return plans.Claim(local, external, state_at, deep)
+    return plans.Claim(local, external, state_at, deep, tuple(stored))
 
 
 class LookupServer:

@@ -137,6 +137,7 @@ class _ReqState:
     local_tokens: int = 0  # the device's hit at the last lookup
     async_hit: bool = False  # the last external hit was reported as an async load
     state_at: int | None = None  # the boundary of the claimed states
+    stored_until: tuple[int, ...] = ()  # per group, where the tiers' chunks end (lookup)
     load_failed: bool = False  # never claim from the tiers again: vLLM recomputes
     settle: bool = False  # admitted without a load: the local hit is read at the step's end
 
@@ -282,10 +283,11 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         :attr:`supports_divergent_local_hybrid_hits`)."""
         st = self._state(request)
         st.local_tokens = num_computed_tokens
-        st.state_at = None
+        st.state_at, st.stored_until = None, ()
         if not st.tenant or st.load_failed:
             return 0, False
         claim = self._tier_claim(st, request, num_computed_tokens)
+        st.stored_until = () if claim is None else claim.stored_until
         ext = claim.external if claim is not None and claim.local == num_computed_tokens else 0
         if self._divergent_now and self._dropped(st, request, num_computed_tokens, ext):
             self._reconcile_for.add(request.request_id)
@@ -381,7 +383,7 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         them, loaded chunks came from a tier, so stores start after both (a resumed
         request restarts here too)."""
         if st.offload is not None:
-            self._ledger.admitted(st.offload, end)
+            self._ledger.admitted(st.offload, end, st.stored_until)
         st.settle = False
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPluginConnectorMetadata:

@@ -7,8 +7,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvplugin.aio import plans
-from kvplugin.aio.plans import Layout
 from kvplugin.aio.offload_ledger import NO_HOLE
+from kvplugin.aio.plans import Layout
 
 
 @st.composite
