@@ -53,26 +53,40 @@ class ObjectInfo:
     sliding_window: int | None = None
 
 
+def chunk_span(block_hashes: Sequence[bytes], start: int, stop: int, hash_block_size: int,
+               block_size: int) -> tuple[tuple[bytes, ...], bytes | None]:
+    """The hashes of tokens ``[start, stop)``'s blocks as the device cache's own events name
+    them (a block's hash is the hash ending at its last token), and its parent's."""
+    stride = block_size // hash_block_size
+    hashes = tuple(block_hashes[(b + 1) * stride - 1]
+                   for b in range(start // block_size, stop // block_size))
+    first = start // hash_block_size
+    return hashes, block_hashes[first - 1] if first else None
+
+
+def state_span(block_hashes: Sequence[bytes], boundary: int,
+               hash_block_size: int) -> tuple[tuple[bytes, ...], bytes | None]:
+    """A recurrent state taken at ``boundary`` tokens stands for the block ending there."""
+    n = boundary // hash_block_size
+    return (block_hashes[n - 1],), block_hashes[n - 2] if n > 1 else None
+
+
 def describe_chunk(block_hashes: Sequence[bytes], token_ids: Sequence[int], group: int,
                    start: int, stop: int, hash_block_size: int,
                    block_size: int) -> ObjectInfo:
-    """The chunk of tokens ``[start, stop)`` of a request (its hash list and tokens), in
-    the group's blocks as the device cache's own events name them (a block's hash is the
-    hash ending at its last token)."""
-    stride = block_size // hash_block_size
-    hashes = tuple(external_block_hash(block_hashes[(b + 1) * stride - 1])
-                   for b in range(start // block_size, stop // block_size))
-    first = start // hash_block_size
-    parent = external_block_hash(block_hashes[first - 1]) if first else None
-    return ObjectInfo(group, hashes, parent, tuple(token_ids[start:stop]), block_size)
+    """The chunk of tokens ``[start, stop)`` of a request (its hash list and tokens)."""
+    hashes, parent = chunk_span(block_hashes, start, stop, hash_block_size, block_size)
+    return ObjectInfo(group, tuple(external_block_hash(h) for h in hashes),
+                      None if parent is None else external_block_hash(parent),
+                      tuple(token_ids[start:stop]), block_size)
 
 
 def describe_state(block_hashes: Sequence[bytes], token_ids: Sequence[int], group: int,
                    boundary: int, hash_block_size: int) -> ObjectInfo:
-    """A recurrent state taken at ``boundary`` tokens: it stands for the block ending there."""
-    n = boundary // hash_block_size
-    parent = external_block_hash(block_hashes[n - 2]) if n > 1 else None
-    return ObjectInfo(group, (external_block_hash(block_hashes[n - 1]),), parent,
+    """A recurrent state taken at ``boundary`` tokens."""
+    (h,), parent = state_span(block_hashes, boundary, hash_block_size)
+    return ObjectInfo(group, (external_block_hash(h),),
+                      None if parent is None else external_block_hash(parent),
                       tuple(token_ids[boundary - hash_block_size:boundary]), hash_block_size)
 
 

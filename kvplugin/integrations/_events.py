@@ -20,10 +20,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvplugin.aio.tier_events import ObjectInfo
+from kvplugin.aio.keys import KeySpace
+from kvplugin.aio.offload_ledger import StoreObject
+from kvplugin.aio.tier_events import ObjectInfo, chunk_span, state_span
 from kvplugin.core import events as core_events
 
-__all__ = ["StoredObject", "info_of", "new_events", "to_vllm"]
+__all__ = ["StoredObject", "describe", "info_of", "new_events", "to_vllm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,23 @@ class StoredObject:
     block_size: int
     spec_kind: str | None
     sliding_window: int | None
+
+
+def describe(obj: StoreObject, request: Any, keys: KeySpace,
+             spec_kind: tuple[str | None, int | None]) -> StoredObject:
+    """What a ``BlockStored`` of one planned object says (the native manager's
+    description, :mod:`kvplugin.aio.tier_events`, in vLLM's raw hashes)."""
+    hbs, hashes = keys.hash_block_size, request.block_hashes
+    if obj.state:
+        start, bs = obj.index - hbs, hbs
+        span = state_span(hashes, obj.index, hbs)
+    else:
+        g = keys.groups[obj.group]
+        start, bs = obj.index * g.chunk_tokens, g.block_size
+        span = chunk_span(hashes, start, start + g.chunk_tokens, hbs, bs)
+    stop = obj.index if obj.state else start + keys.groups[obj.group].chunk_tokens
+    return StoredObject(obj.group, span[0], span[1], tuple(request.all_token_ids[start:stop]),
+                        bs, *spec_kind)
 
 
 def info_of(obj: StoredObject) -> ObjectInfo:

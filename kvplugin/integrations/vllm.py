@@ -449,16 +449,13 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
             st.had_saves = True
 
     def _pieces(self, st: _ReqState, plan: StorePlan) -> list[Piece]:
-        out = []
-        for o in plan.objects:
-            if o.state:
-                out.append(Piece(o.key, o.group, list(o.block_ids), o.index, state=True,
-                                 event=self._state_event(st, o.group, o.index)))
-            else:
-                out.append(Piece(o.key, o.group, list(o.block_ids),
-                                 o.index * self._layout.chunk_tokens(o.group),
-                                 event=self._chunk_event(st, o.group, o.index)))
-        return out
+        lay = self._layout
+        return [Piece(o.key, o.group, list(o.block_ids),
+                      o.index if o.state else o.index * lay.chunk_tokens(o.group), state=o.state,
+                      event=_events.describe(o, st.request, self._keys,
+                                             self._spec_kinds[o.group])
+                      if self._events_on else None)
+                for o in plan.objects]
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
@@ -516,37 +513,6 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
             return False, None
         self._meta.delayed_frees.append(request.request_id)
         return True, None
-
-    # ------------------------------------------------------------------ events
-    def _chunk_event(self, st: _ReqState, group: int, chunk: int) -> _events.StoredObject | None:
-        if not self._events_on:
-            return None
-        g = self._keys.groups[group]
-        hashes = st.request.block_hashes
-        first = chunk * g.chunk_blocks
-        idx = [(b + 1) * g.hash_stride - 1 for b in range(first, first + g.chunk_blocks)]
-        parent = hashes[first * g.hash_stride - 1] if first else None
-        ct = g.chunk_tokens
-        tokens = st.request.all_token_ids[chunk * ct:(chunk + 1) * ct]
-        return self._stored(group, tuple(hashes[i] for i in idx), parent, tokens,
-                            g.block_size)
-
-    def _state_event(self, st: _ReqState, group: int, boundary: int
-                     ) -> _events.StoredObject | None:
-        if not self._events_on:
-            return None
-        hbs = self._keys.hash_block_size
-        n = boundary // hbs
-        hashes = st.request.block_hashes
-        tokens = st.request.all_token_ids[boundary - hbs:boundary]
-        return self._stored(group, (hashes[n - 1],), hashes[n - 2] if n > 1 else None, tokens,
-                            hbs)
-
-    def _stored(self, group: int, hashes: tuple[bytes, ...], parent: bytes | None,
-                tokens: Any, block_size: int) -> _events.StoredObject:
-        kind, window = self._spec_kinds[group]
-        return _events.StoredObject(group, hashes, parent, tuple(tokens), block_size, kind,
-                                    window)
 
     # ------------------------------------------------------------------ stats
     @classmethod
