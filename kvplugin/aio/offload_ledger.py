@@ -111,10 +111,6 @@ class StorePlan:
         self.key_ids = frozenset(o.key.id for o in self.objects)
 
     @property
-    def chunks(self) -> tuple[StoreObject, ...]:
-        return tuple(o for o in self.objects if not o.state)
-
-    @property
     def states(self) -> tuple[StoreObject, ...]:
         return tuple(o for o in self.objects if o.state)
 

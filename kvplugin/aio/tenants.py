@@ -38,9 +38,10 @@ KV depends on the tokens only (LoRA and the user's cache salt still enter the ha
   ``max_cached_blocks`` free-but-cached blocks, its own first-to-be-evicted ones lose their
   cache identity through the core's public ``evict_blocks``, which leaves the free queue's
   order alone: the core keeps vLLM's order, other tenants' blocks are never touched.
-* *tier bytes*: an offer that would bring the tenant's bytes on a tier (what the tier holds
-  of it, plus its store jobs in flight) over ``max_tier_bytes[tier]`` is shed whole,
-  counted. Stores write through every tier, so each is charged on every tier. What a tier
+* *tier bytes* (checked by the offload ledger, :mod:`kvplugin.aio.offload_ledger`): an
+  offer that would bring the tenant's bytes on a tier (what the tier holds of it, plus its
+  store jobs in flight) over ``max_tier_bytes[tier]`` is shed whole, counted. Stores write
+  through every tier, so each is charged on every tier. What a tier
   holds is learned from its events (:mod:`kvplugin.aio.holdings`: charged when the tier
   reports an object stored, released when it reports it evicted, deleted or gone), so a
   tenant whose objects were evicted may store again, and one that writes faster than the
@@ -48,7 +49,8 @@ KV depends on the tokens only (LoRA and the user's cache salt still enter the ha
   connector's ``reports_objects`` False) is charged what was written, never released: an
   upper bound.
 
-**Stats** (:class:`TenantStats`) attribute every counter of the manager's
+**Stats** (:class:`TenantStats`, snapshots of the offload ledger's per-tenant counters,
+booked with the global ones from the same reports) attribute every counter of the manager's
 :class:`~kvplugin.aio.values.OffloadStats` that belongs to a request to its tenant, so they
 sum to the global ones.
 """
@@ -432,10 +434,6 @@ class Tenants:
         self._cached = _CachedBlocks(core, layout, groups) if tracked else None
         for name in p.tenants or ():
             self._book(name)
-
-    def tier_quota(self, tenant: str) -> Mapping[str, int]:
-        """The tenant's tier byte quotas (the ledger checks them)."""
-        return self.policy.quota(tenant).max_tier_bytes
 
     def tier_quotas(self) -> list[Mapping[str, int]]:
         p = self.policy

@@ -47,13 +47,13 @@ def describe(obj: StoreObject, request: Any, keys: KeySpace,
     description, :mod:`kvplugin.aio.tier_events`, in vLLM's raw hashes)."""
     hbs, hashes = keys.hash_block_size, request.block_hashes
     if obj.state:
-        start, bs = obj.index - hbs, hbs
+        start, stop, bs = obj.index - hbs, obj.index, hbs
         span = state_span(hashes, obj.index, hbs)
     else:
         g = keys.groups[obj.group]
         start, bs = obj.index * g.chunk_tokens, g.block_size
-        span = chunk_span(hashes, start, start + g.chunk_tokens, hbs, bs)
-    stop = obj.index if obj.state else start + keys.groups[obj.group].chunk_tokens
+        stop = start + g.chunk_tokens
+        span = chunk_span(hashes, start, stop, hbs, bs)
     return StoredObject(obj.group, span[0], span[1], tuple(request.all_token_ids[start:stop]),
                         bs, *spec_kind)
 
