@@ -46,7 +46,8 @@ disk, and the index stays exact either way. Jobs on one file never overlap: a wr
 its object and its victims, a delete's unlink its objects, until the job ends, whether or
 not its caller still waits, and a later put or delete of those ids waits for it (so a
 cancelled delete cannot unlink the file a later put published). ``aclose`` waits at most
-``_CLOSE_WAIT`` seconds for file jobs in flight.
+``_CLOSE_WAIT`` seconds for file jobs and reads in flight, so that when it returns the
+directory is free for the next connector.
 
 One connector per directory, enforced: an open connector holds an exclusive ``flock`` on
 the root directory itself, and a second one (in any process) fails to start with
@@ -253,6 +254,8 @@ class DiskConnector(StoreBase):
         self._executor = self._new_executor()
 
     async def _close(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _CLOSE_WAIT
         pending = set(self._busy.values())
         if pending:  # file jobs in flight finish: no temp file left, no unlink after reopen
             _, stuck = await asyncio.wait(pending, timeout=_CLOSE_WAIT)
@@ -260,10 +263,27 @@ class DiskConnector(StoreBase):
                 logger.warning("%s: closing with %d file jobs still running", self.name,
                                len(stuck))
         self._executor.shutdown(wait=False)
-        if self._root is not None:
-            # Releases the directory, at once or when the last running job ends.
-            self._root.close()
-            self._root = None
+        root, self._root = self._root, None
+        if root is not None:
+            await self._unlock_root(root, deadline - loop.time())
+
+    async def _unlock_root(self, root: RootDir, timeout: float) -> None:
+        """Close the directory and wait (within what is left of the close's wait) for reads
+        a cancelled caller left on the threads: when ``aclose`` returns, the lock is gone and
+        a new connector on this directory starts, in this process or another."""
+        loop = asyncio.get_running_loop()
+        released: asyncio.Future[None] = loop.create_future()
+
+        def tell() -> None:  # on the last job's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed without waiting
+                loop.call_soon_threadsafe(_resolve, released)
+
+        if root.close(on_released=tell):
+            return
+        done, _ = await asyncio.wait({released}, timeout=max(timeout, 0.0))
+        if not done:
+            logger.warning("%s: closed; a thread still on the disk keeps %s locked until it "
+                           "returns", self.name, root.path)
 
     @property
     def used_bytes(self) -> int:
@@ -627,6 +647,11 @@ def _os_error(exc: OSError, what: str) -> ConnectorError:
     if exc.errno in _DENIED:
         return StoragePermissionError(f"{what}: permission denied ({exc.strerror})")
     return BackendError(f"{what}: {exc}")
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _close_scanned_root(job: concurrent.futures.Future[diskio.Scanned]) -> None:

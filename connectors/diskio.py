@@ -108,7 +108,7 @@ class RootDir:
     thread stuck on a hung device therefore keeps the directory locked until it returns,
     which is right: it may still write there."""
 
-    __slots__ = ("_closing", "_mutex", "_pid_fd", "_users", "fd", "path")
+    __slots__ = ("_closing", "_mutex", "_on_released", "_pid_fd", "_users", "fd", "path")
 
     def __init__(self, path: str, fd: int, pid_fd: int | None) -> None:
         self.path = path
@@ -117,6 +117,7 @@ class RootDir:
         self._mutex = threading.Lock()
         self._users = 0
         self._closing = False
+        self._on_released: Callable[[], None] | None = None
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(root_fd, *args)`` with the descriptor held open (on an I/O thread)."""
@@ -132,15 +133,23 @@ class RootDir:
                 last = self._closing and not self._users
             if last:
                 self._close_fds()
+                if self._on_released is not None:
+                    self._on_released()
 
-    def close(self) -> None:
+    def close(self, on_released: Callable[[], None] | None = None) -> bool:
+        """Close the descriptors once no job uses them. True when that was now; otherwise
+        ``on_released`` runs, on the last job's thread, when it happens (so that a closing
+        connector can wait for the lock to go before a new one takes the directory)."""
         with self._mutex:
             if self._closing:
-                return
+                return not self._users
             self._closing = True
             last = not self._users
+            if not last:
+                self._on_released = on_released
         if last:
             self._close_fds()
+        return last
 
     def _close_fds(self) -> None:
         for fd in (self._pid_fd, self.fd):

@@ -191,6 +191,37 @@ async def test_a_directory_serves_one_connector_at_a_time(tmp_path: os.PathLike[
     await second.aclose()
 
 
+async def test_close_waits_for_a_read_its_cancelled_caller_left_on_a_thread(
+    tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose returns with the directory free: the next connector starts at once even when a
+    cancelled get left its read running (a CI flake of the cancellation storm)."""
+    root = os.path.join(tmp_path, "store")
+    items = make_items(namespace(), 1)
+    entered, go_on = threading.Event(), threading.Event()
+    real = disk_mod._read_hashed
+
+    def slow_read(*args: object, **kwargs: object) -> object:
+        entered.set()
+        assert go_on.wait(30)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    conn = DiskConnector(root, capacity_bytes=1 << 20, inline_read_bytes=0)
+    await conn.put(items, timeout=T)
+    monkeypatch.setattr(disk_mod, "_read_hashed", slow_read)
+    get = asyncio.ensure_future(conn.get([items[0][0]], timeout=T))
+    assert await asyncio.to_thread(entered.wait, 30)
+    get.cancel()
+    closing = asyncio.ensure_future(conn.aclose())
+    await asyncio.sleep(0.05)
+    assert not closing.done(), "aclose waits for the read that holds the directory"
+    go_on.set()
+    await closing
+    async with DiskConnector(root, capacity_bytes=1 << 20) as again:
+        await again.start()  # no DirectoryInUse
+        assert same((await again.get([items[0][0]], timeout=T))[0], items[0][1])
+
+
 async def test_a_killed_holder_releases_the_directory(tmp_path: os.PathLike[str]) -> None:
     root = os.path.join(tmp_path, "store")
     proc = subprocess.Popen(
