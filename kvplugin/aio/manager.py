@@ -47,12 +47,13 @@ Latency: tier lookups, load jobs and store jobs are timed into histograms
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from kvplugin.aio import plans
+from kvplugin.aio import probe
 from kvplugin.aio.admission import Admissions, Step
 from kvplugin.aio.jobs import (
     IOGate,
@@ -66,10 +67,9 @@ from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.ledger import TokenLedger
 from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.loads import Loads
-from kvplugin.aio.memory import HostKVMemory, layout_of, shape_of_group
+from kvplugin.aio.memory import GroupShape, HostKVMemory, layout_of, shape_of_group
 from kvplugin.aio.offload_ledger import OffloadLedger
 from kvplugin.aio.plans import StateOffer
-from kvplugin.aio.probe import ask_tiers
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, JobContext, Stores
 from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
@@ -86,9 +86,8 @@ from kvplugin.aio.values import (
     ResidencyRecorder,
     StoreMode,
 )
-from kvplugin.connectors.base import Connector, ConnectorStats, Deadline
+from kvplugin.connectors.base import Connector, ConnectorStats
 from kvplugin.connectors.events import TierEvent
-from kvplugin.connectors.keys import ObjectKey
 from kvplugin.core.events import KVCacheEvent
 from kvplugin.core.hashing import BlockHasher, HashContext
 from kvplugin.core.manager import KVCacheManager
@@ -99,6 +98,27 @@ __all__ = ["AsyncKVManager", "device_salt"]
 logger = logging.getLogger(__name__)
 
 
+def _host_memory(core: KVCacheManager, memory: HostKVMemory | None,
+                 offload: OffloadConfig | None) -> tuple[list[GroupShape], HostKVMemory]:
+    """The core's group shapes and the host memory of its blocks (given or made), after
+    checking that the core, the memory and (offload on) the store budget fit together."""
+    if not core.enable_caching:
+        raise ValueError("offload needs prefix caching enabled in the core")
+    kv_config = core.kv_cache_config
+    shapes = [shape_of_group(g) for g in kv_config.kv_cache_groups]
+    if memory is None:
+        memory = HostKVMemory(kv_config.num_blocks, shapes)
+    elif memory.num_blocks != kv_config.num_blocks or list(memory.shapes) != shapes:
+        raise ValueError("host memory does not match the core's blocks and groups")
+    if core.use_eagle and any(s.kind == "state" for s in shapes):
+        raise ValueError("EAGLE block drop is not supported with Mamba offload")
+    chunk_bytes = max(s.page_bytes for s in shapes) * (offload.chunk_blocks if offload else 0)
+    if offload is not None and offload.store_budget_bytes < chunk_bytes:
+        raise ValueError(f"store_budget_bytes {offload.store_budget_bytes} is below one "
+                         f"chunk ({chunk_bytes} bytes): every store would be shed")
+    return shapes, memory
+
+
 class AsyncKVManager:
     def __init__(self, core: KVCacheManager, connector: Connector | None,
                  config: OffloadConfig, *,
@@ -106,18 +126,9 @@ class AsyncKVManager:
                  hash_context: HashContext | None = None,
                  tenants: TenantPolicy | None = None,
                  load_costs: LoadCosts | None = None) -> None:
-        if not core.enable_caching:
-            raise ValueError("offload needs prefix caching enabled in the core")
-        kv_config = core.kv_cache_config
-        shapes = [shape_of_group(g) for g in kv_config.kv_cache_groups]
-        if memory is None:
-            memory = HostKVMemory(kv_config.num_blocks, shapes)
-        elif memory.num_blocks != kv_config.num_blocks or list(memory.shapes) != shapes:
-            raise ValueError("host memory does not match the core's blocks and groups")
+        shapes, memory = _host_memory(core, memory, None if connector is None else config)
         hbs = core.offload_view().hash_block_size
         has_state = any(s.kind == "state" for s in shapes)
-        if has_state and core.use_eagle:
-            raise ValueError("EAGLE block drop is not supported with Mamba offload")
         self.core = core
         self.connector = connector
         self.config = config
@@ -133,10 +144,6 @@ class AsyncKVManager:
         # Per-group hits (a lagging Mamba state) are only reconciled for Mamba + full
         # attention layouts, as the core's get_computed_blocks_for_connector.
         self._divergent = has_state and not self.layout.has_null_blocks
-        chunk_bytes = max(s.page_bytes for s in shapes) * config.chunk_blocks
-        if connector is not None and config.store_budget_bytes < chunk_bytes:
-            raise ValueError(f"store_budget_bytes {config.store_budget_bytes} is below one "
-                             f"chunk ({chunk_bytes} bytes): every store would be shed")
         self._gate = IOGate(config.max_io)
         self._requests: dict[str, ReqState] = {}
         self._stats = OffloadStats()
@@ -244,42 +251,30 @@ class AsyncKVManager:
         if st.admitted:
             raise ValueError(f"request {req.request_id!r} already holds blocks")
         hit = self._admissions.local_hit(req).hit
-        base = plans.device_base(self.layout, hit)
-        windows = plans.lookup_window(self.layout, req.num_tokens, base, self._hash_tokens(req))
-        first = tuple(w.start for w in windows)
-        miss = Lookup(req.request_id, hit.reconciled, 0, first, tuple(() for _ in windows))
-        chunks_possible = all(windows[g] for g in self.layout.chunked_groups)
+        todo = probe.windows_past(self.layout, req.num_tokens, self._hash_tokens(req), hit)
+        miss = Lookup(req.request_id, hit.reconciled, 0, todo.first,
+                      tuple(() for _ in todo.windows))
         connector = self.connector
         if (connector is None or st.skip_external or req.skip_reading_prefix_cache
-                or not (chunks_possible or hit.deep > hit.reconciled)):
+                or not probe.worth_asking(self.layout, todo, hit)):
             return miss
-        keys = [st.chunk_keys(self.keyspace, g, w.start, w.stop) if self.layout.chunked(g)
-                else [] for g, w in enumerate(windows)]
-        groups = self.layout.state_groups
-
-        def state_keys(n: int) -> list[ObjectKey]:
-            return [self.keyspace.state_key(st.scope, g, req.block_hashes, n) for g in groups]
-
         self._stats.lookups += 1
-        timeout = self.config.lookup_timeout
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
-                answer = await ask_tiers(connector, self.layout, windows, keys, state_keys,
-                                         num_tokens=req.num_tokens,
-                                         num_hash_tokens=self._hash_tokens(req), hit=hit,
-                                         deadline=Deadline.after(timeout))
+            done = await probe.lookup(
+                connector, self.layout, self.keyspace, st.scope, req.block_hashes, todo,
+                num_tokens=req.num_tokens, hit=hit, timeout=self.config.lookup_timeout,
+                chunk_keys=functools.partial(st.chunk_keys, self.keyspace))
         except TimeoutError:
             self._stats.lookup_timeouts += 1
-            return Lookup(req.request_id, hit.reconciled, 0, first,
-                          tuple(() for _ in windows), True)
+            return dataclasses.replace(miss, timed_out=True)
         finally:
             # Every lookup that asked the tiers is timed: answered, timed out or cancelled.
             self._latency.lookup.observe(time.perf_counter() - started)
-        claim = plans.reconcile(self.layout, req.num_tokens, self._hash_tokens(req), hit,
-                                answer.tier_hit())
-        return Lookup(req.request_id, claim.local, claim.external, first, answer.levels, False,
-                      answer.states, claim.state_at)
+        claim, answer = done.claim, done.answer
+        assert claim is not None and answer is not None
+        return Lookup(req.request_id, claim.local, claim.external, todo.first, answer.levels,
+                      False, answer.states, claim.state_at)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, req: Request, lookup: Lookup | None = None, *,

@@ -1,7 +1,8 @@
 """Asking the tiers how far they extend a device hit: the one lookup both engines run.
 
-The native manager (:meth:`AsyncKVManager.lookup`) and the vLLM connector
-(:func:`kvplugin.integrations._hits.tier_claim`) ask the same questions in the same order:
+The native manager (:meth:`AsyncKVManager.lookup`) and the vLLM connector's lookup server
+(:class:`kvplugin.integrations._lookup.LookupServer`) both call :func:`lookup`, so they ask
+the same questions in the same order:
 each chunked group's chunks past the device hit, all groups at once, then the state groups'
 states at the candidate boundaries, a few boundaries at a time, deepest first, until one
 has every state group. Every question shares one :class:`Deadline`: the whole lookup, not
@@ -17,10 +18,14 @@ from dataclasses import dataclass
 
 from kvplugin.aio import plans
 from kvplugin.aio.jobs import lookup_levels
+from kvplugin.aio.keys import KeyScope, KeySpace
 from kvplugin.connectors.base import Connector, Deadline
 from kvplugin.connectors.keys import ObjectKey
 
-__all__ = ["STATE_PROBES", "TierAnswer", "ask_tiers"]
+__all__ = ["STATE_PROBES", "ChunkKeys", "TierAnswer", "TierLookup", "ask_tiers", "lookup"]
+
+# ``(group, first, stop)`` -> the keys of that group's chunks ``[first, stop)``.
+ChunkKeys = Callable[[int, int, int], list[ObjectKey]]
 
 STATE_PROBES = 8  # state boundaries asked at once, deepest first, until one is found
 
@@ -69,3 +74,56 @@ async def ask_tiers(connector: Connector, layout: plans.Layout,
             if len(got) == wanted:
                 return TierAnswer(first=first, levels=levels, states=((n, max(got)),))
     return chunks_only
+
+
+@dataclass(frozen=True, slots=True)
+class TierLookup:
+    """One request's lookup: the windows asked (per group, the chunks past the device hit),
+    and, when anything was worth asking, the tiers' answer and the claim it makes."""
+
+    windows: tuple[range, ...]
+    answer: TierAnswer | None = None
+    claim: plans.Claim | None = None
+
+    @property
+    def first(self) -> tuple[int, ...]:
+        return tuple(w.start for w in self.windows)
+
+
+def windows_past(layout: plans.Layout, num_tokens: int, num_hash_tokens: int,
+                 hit: plans.LocalHit) -> TierLookup:
+    """The windows of a lookup, before anything is asked."""
+    base = plans.device_base(layout, hit)
+    return TierLookup(plans.lookup_window(layout, num_tokens, base, num_hash_tokens))
+
+
+def worth_asking(layout: plans.Layout, todo: TierLookup, hit: plans.LocalHit) -> bool:
+    """Whether the tiers could add anything: chunks past the hit in every chunked group, or
+    a lagging device state (a deeper attention hit) the tiers may hold the state for."""
+    return all(todo.windows[g] for g in layout.chunked_groups) or hit.deep > hit.reconciled
+
+
+async def lookup(connector: Connector, layout: plans.Layout, keyspace: KeySpace,
+                 scope: str | KeyScope, block_hashes: Sequence[bytes], todo: TierLookup, *,
+                 num_tokens: int, hit: plans.LocalHit, timeout: float,
+                 chunk_keys: ChunkKeys | None = None, by_level: bool = True) -> TierLookup:
+    """Ask the tiers about ``todo``'s windows, every question within one ``timeout``
+    (TimeoutError past it), and reconcile their answer with the device hit into the claim.
+    ``chunk_keys`` may serve the keys from a per-request cache."""
+    if chunk_keys is None:
+        def chunk_keys(g: int, first: int, stop: int) -> list[ObjectKey]:
+            return keyspace.chunk_keys(scope, g, block_hashes, first, stop)
+    keys = [chunk_keys(g, w.start, w.stop) if layout.chunked(g) else []
+            for g, w in enumerate(todo.windows)]
+    groups = layout.state_groups
+
+    def state_keys(n: int) -> list[ObjectKey]:
+        return [keyspace.state_key(scope, g, block_hashes, n) for g in groups]
+
+    hash_tokens = len(block_hashes) * keyspace.hash_block_size
+    async with asyncio.timeout(timeout):
+        answer = await ask_tiers(connector, layout, todo.windows, keys, state_keys,
+                                 num_tokens=num_tokens, num_hash_tokens=hash_tokens, hit=hit,
+                                 deadline=Deadline.after(timeout), by_level=by_level)
+    claim = plans.reconcile(layout, num_tokens, hash_tokens, hit, answer.tier_hit())
+    return TierLookup(todo.windows, answer, claim)

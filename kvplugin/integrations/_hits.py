@@ -9,15 +9,13 @@ Nothing here imports vLLM or torch: requests are read through ``block_hashes``,
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvplugin.aio import plans
+from kvplugin.aio import plans, probe
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.offload_ledger import LoadPlan
-from kvplugin.aio.probe import ask_tiers
-from kvplugin.connectors.base import Connector, Deadline
+from kvplugin.connectors.base import Connector
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations._events import StoredObject
 
@@ -46,27 +44,18 @@ async def tier_claim(connector: Connector, keys: KeySpace, layout: plans.Layout,
                      block_hashes: Sequence[bytes], num_tokens: int, local: int,
                      timeout: float) -> plans.Claim:
     """How far the tiers extend vLLM's device hit of ``local`` tokens, at a point every group
-    can be restored at (attention chunks up to it, and for state groups the state at it):
-    the native manager's lookup (:func:`kvplugin.aio.probe.ask_tiers`), every question
-    within one ``timeout``."""
+    can be restored at: the native manager's lookup (:func:`kvplugin.aio.probe.lookup`),
+    every question within one ``timeout``."""
     hit = plans.LocalHit(local, local)
-    hash_tokens = len(block_hashes) * keys.hash_block_size
-    windows = plans.lookup_window(layout, num_tokens, plans.device_base(layout, hit),
-                                  hash_tokens)
-    if not all(windows[g] for g in layout.chunked_groups):
+    todo = probe.windows_past(layout, num_tokens, len(block_hashes) * keys.hash_block_size,
+                              hit)
+    if not probe.worth_asking(layout, todo, hit):
         return plans.Claim(local)
-    chunk_keys = [keys.chunk_keys(tenant, g, block_hashes, w.start, w.stop)
-                  if layout.chunked(g) else [] for g, w in enumerate(windows)]
-    groups = layout.state_groups
-
-    def state_keys(n: int) -> list[ObjectKey]:
-        return [keys.state_key(tenant, g, block_hashes, n) for g in groups]
-
-    async with asyncio.timeout(timeout):
-        answer = await ask_tiers(connector, layout, windows, chunk_keys, state_keys,
-                                 num_tokens=num_tokens, num_hash_tokens=hash_tokens, hit=hit,
-                                 deadline=Deadline.after(timeout), by_level=False)
-    return plans.reconcile(layout, num_tokens, hash_tokens, hit, answer.tier_hit())
+    done = await probe.lookup(connector, layout, keys, tenant, block_hashes, todo,
+                              num_tokens=num_tokens, hit=hit, timeout=timeout,
+                              by_level=False)
+    assert done.claim is not None
+    return done.claim
 
 
 def load_pieces(layout: plans.Layout, plan: LoadPlan) -> list[Piece]:

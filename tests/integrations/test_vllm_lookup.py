@@ -34,7 +34,11 @@ def served(tmp_path: Path):  # type: ignore[no-untyped-def]
     cfg = tmp_path / "kv.yaml"
     cfg.write_text(yaml.safe_dump({"model": {"name": "m"},
                                    "offload": {"chunk_size": BS, "local_cpu": True,
-                                               "local_disk": None}}))
+                                               "local_disk": None,
+                                               # The server's own deadline: generous, as
+                                               # these tests are about the socket (a GC
+                                               # pause on a loaded CI box passed 50 ms).
+                                               "lookup_timeout_ms": 5000}}))
     rt = _runtime.acquire(str(cfg))
     keys = KeySpace("m", [FULL], BS)
     lay = layout_of([FULL], 1, BS)
