@@ -45,6 +45,10 @@ KINDS = frozenset({"kv", "mamba_state", "partial_tail"})
 """What an object holds: KV pages, a Mamba boundary state, or a finish-time partial tail."""
 
 
+# Each kind's length-prefixed encoding, as hashed into its objects' ids.
+_KIND_TAGS = {kind: len(kind).to_bytes(4, "big") + kind.encode() for kind in KINDS}
+
+
 class InvalidName(ValueError):
     """A tenant, model, layout, kind or storage id does not match its strict charset."""
 
@@ -87,6 +91,7 @@ class Namespace:
     salt: bytes | str = field(default=b"", repr=False)
     hex: str = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
+    _object_prefix: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check(self.tenant, _TENANT_RE, "tenant")
@@ -110,22 +115,33 @@ class Namespace:
         ).digest()
         object.__setattr__(self, "_digest", digest)
         object.__setattr__(self, "hex", digest[:16].hex())
+        object.__setattr__(self, "_object_prefix", _DOMAIN + _lp(b"object") + digest)
 
     def key(self, block_hash: bytes, kind: str = "kv") -> ObjectKey:
-        """The key of the object whose last block has chained hash ``block_hash``."""
-        if not isinstance(block_hash, bytes | bytearray | memoryview):
+        """The key of the object whose last block has chained hash ``block_hash``.
+
+        On every lookup and store path (a key per chunk), so the fixed part of the hashed
+        bytes is made once per namespace, and the key is built without validating again
+        what is valid by construction (this namespace's prefix, a sha256 hex digest)."""
+        if type(block_hash) is bytes:
+            raw = block_hash
+        elif isinstance(block_hash, bytearray | memoryview):
+            raw = bytes(block_hash)
+        else:
             raise TypeError(
                 f"block hashes must be bytes (the chained hash), got {type(block_hash).__name__}"
             )
-        raw = bytes(block_hash)
         if not raw:
             raise ValueError("empty block hash")
-        if kind not in KINDS:
+        tag = _KIND_TAGS.get(kind)
+        if tag is None:
             raise InvalidName(f"unknown object kind {kind!r}; known: {sorted(KINDS)}")
-        digest = hashlib.sha256(
-            _DOMAIN + _lp(b"object") + self._digest + _lp(kind.encode()) + _lp(raw)
-        ).hexdigest()
-        return ObjectKey(self, kind, self.hex + digest)
+        digest = hashlib.sha256(self._object_prefix + tag + _lp(raw)).hexdigest()
+        key = object.__new__(ObjectKey)
+        object.__setattr__(key, "namespace", self)
+        object.__setattr__(key, "kind", kind)
+        object.__setattr__(key, "id", self.hex + digest)
+        return key
 
     def owns(self, storage_id: str) -> bool:
         """Whether a storage id belongs to this namespace."""

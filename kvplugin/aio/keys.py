@@ -141,8 +141,11 @@ class KeySpace:
             raise ValueError(f"group {group} stores states, not chunks")
         if stop > g.num_chunks(len(block_hashes)):
             raise ValueError(f"chunk {stop - 1} of group {group} is not complete yet")
-        ct = g.chunk_tokens
-        return [self._namespace(scope, group, (c + 1) * ct).key(block_hashes[g.hash_index(c)])
+        ct, at = g.chunk_tokens, g.hash_index
+        if isinstance(scope, str) or scope.group is None:  # one namespace for all of them
+            key = self._namespace(scope, group, 0).key
+            return [key(block_hashes[at(c)]) for c in range(first, stop)]
+        return [self._namespace(scope, group, (c + 1) * ct).key(block_hashes[at(c)])
                 for c in range(first, stop)]
 
     def state_key(self, scope: str | KeyScope, group: int, block_hashes: Sequence[bytes],
