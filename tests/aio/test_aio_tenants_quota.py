@@ -485,6 +485,47 @@ async def test_tier_byte_quota_bounds_bytes_held_through_evictions() -> None:
         assert len(holdings) == len(conn)  # nothing kept for objects the tier dropped
 
 
+@pytest.mark.asyncio
+async def test_tier_byte_quota_binds_on_held_bytes_and_frees_with_deletes() -> None:
+    # A tier that never evicts (16 MiB): the quota (9 chunks) is what binds. Three requests
+    # of 3 chunks fill it, the fourth's offer is shed whole; once the first request's
+    # objects are deleted from the tier the fifth request's 3 chunks are stored (written
+    # 12 chunks > quota, held 9 == quota). Counted by bytes written, the fifth is shed too.
+    quota = 9 * PAGE
+    policy = TenantPolicy({"a": TenantQuota(max_tier_bytes={"memory": quota})})
+    async with make(policy) as mgr:
+        model = FakeModel(mgr)
+        conn: Any = mgr.connector
+        holdings = mgr.offloads.holdings
+        assert holdings is not None
+        reqs = [mgr.new_request(f"a{i}", list(range(100 * i, 100 * i + 12)), tenant="a")
+                for i in range(5)]
+        for r in reqs[:4]:
+            await serve(mgr, model, r)
+            await mgr.drain()
+        assert (holdings.held("a", "memory"), len(conn)) == (quota, 9)
+        assert mgr.tenant_stats()["a"].stores_shed_quota == 3  # the fourth's 3 chunks
+        gone = mgr.keyspace.chunk_keys("a", 0, reqs[0].block_hashes, 0, 3)
+        assert await conn.delete(gone, timeout=1) == 3
+        mgr.offloads.refresh_holdings()
+        assert (holdings.held("a", "memory"), len(conn)) == (6 * PAGE, 6)
+        await serve(mgr, model, reqs[4])
+        await mgr.drain()
+        mgr.offloads.refresh_holdings()
+        assert (holdings.held("a", "memory"), len(conn)) == (quota, 9)
+        a = assert_sums(mgr)["a"]
+        assert (a.stored_chunks, a.stores_shed_quota) == (12, 3)
+        assert a.stored_bytes_by_tier["memory"] == 12 * PAGE > quota
+        evict_device_cache(mgr)
+        # shed means not stored; a lookup leaves the prompt's last block to compute (8 of 12)
+        for r, stored in ((reqs[3], 0), (reqs[4], 8)):
+            again = mgr.new_request(f"{r.request_id}-again", list(r.prompt_token_ids),
+                                    tenant="a")
+            assert (await mgr.lookup(again)).external_tokens == stored
+            mgr.finish(again)
+        clean(mgr)
+
+
 # --------------------------------------------------------------------------- stats, misuse
 
 
