@@ -96,6 +96,9 @@ METRICS: tuple[MetricDoc, ...] = (
          "Loads cancelled (request finished or preempted during its load, shutdown)."),
     _doc("kvplugin_recomputed_tokens_total", "counter", "",
          "Tokens claimed from a tier that did not verify and were computed again."),
+    _doc("kvplugin_objects_refused_total", "counter", "",
+         "Objects a load fetched but refused: not the object planned (key, token range, "
+         "page shape) or a payload of the wrong size."),
     _doc("kvplugin_loaded_bytes_total", "counter", "tier",
          "KV bytes loaded into the device, by the tier the lookup found them at."),
     _doc("kvplugin_loads_skipped_slower_than_recompute_total", "counter", "tier",
@@ -349,6 +352,7 @@ _PLAIN = {  # metric -> OffloadStats field
     "kvplugin_load_failures_total": "loads_failed",
     "kvplugin_loads_cancelled_total": "loads_cancelled",
     "kvplugin_recomputed_tokens_total": "recomputed_tokens",
+    "kvplugin_objects_refused_total": "objects_refused",
     "kvplugin_stores_total": "stores",
     "kvplugin_stored_chunks_total": "stored_chunks",
     "kvplugin_stores_shed_total": "stores_shed",

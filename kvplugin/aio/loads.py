@@ -17,6 +17,7 @@ from kvplugin.aio import plans
 from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_load
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.loadcost import LoadCosts
+from kvplugin.aio.objects import ObjectSpec, Refusal, chunk_spec, state_spec
 from kvplugin.aio.offload_ledger import LoadReport
 from kvplugin.aio.plans import Claim
 from kvplugin.aio.reqstate import ReqState
@@ -171,27 +172,25 @@ class Loads(JobSide):
         st.loaded.set()
 
     def _chunk_ok(self, load: plans.ChunkLoad, key: ObjectKey, block: Block | None) -> bool:
-        if block is None:
-            return False
-        shape = self._memory.shapes[load.group]
-        ct = self._layout.chunk_tokens(load.group)
-        meta = block.meta
         # The connector verified checksums and the namespace; this checks it is the chunk
         # this layout expects (a writer with another page shape must not slip through).
-        return (key.matches(meta) and meta.dtype == shape.dtype
-                and meta.shape == (self._layout.chunk_blocks, *shape.dims)
-                and meta.token_start == load.chunk * ct and meta.token_end == (load.chunk + 1) * ct
-                and memoryview(block.payload).nbytes == meta.nbytes)
+        lay = self._layout
+        spec = chunk_spec(key, self._memory.shapes[load.group],
+                          load.chunk * lay.chunk_tokens(load.group), lay.chunk_blocks)
+        return self._accepted(spec, block)
 
     def _state_ok(self, load: plans.StateLoad, key: ObjectKey, block: Block | None) -> bool:
-        if block is None:
-            return False
-        shape = self._memory.shapes[load.group]
-        meta = block.meta
-        return (key.matches(meta) and meta.dtype == shape.dtype
-                and meta.shape == (1, *shape.dims) and meta.boundary == load.boundary
-                and meta.token_end == load.boundary
-                and memoryview(block.payload).nbytes == meta.nbytes == shape.page_bytes)
+        return self._accepted(state_spec(key, self._memory.shapes[load.group], load.boundary),
+                              block)
+
+    def _accepted(self, spec: ObjectSpec, block: Block | None) -> bool:
+        why = spec.refusal(block)
+        if why is None:
+            return True
+        if why is not Refusal.MISSING:
+            self._stats.objects_refused += 1
+            logger.debug("load of %s refused: %s", spec.key.id, why.value)
+        return False
 
     async def _copy_in(self, st: ReqState, job: LoadJob, blocks: list[Block | None],
                        good: int) -> None:

@@ -32,6 +32,7 @@ from kvplugin.aio.jobs import (
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import HostKVMemory
+from kvplugin.aio.objects import ObjectSpec, PageLike, chunk_spec, state_spec
 from kvplugin.aio.offload_ledger import OffloadLedger, StoreObject, StorePlan
 from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import ReqState
@@ -236,19 +237,12 @@ class Stores(JobSide):
             payload: Any
             if o.state:
                 payload = self._memory.copy_out_bytes(o.group, ids)
-                meta = o.key.meta(token_start=0, token_end=o.index, dtype=shape.dtype,
-                                  shape=(1, *shape.dims), boundary=o.index)
+            elif copy:
+                payload = b""
+                later.append((i, o.group, ids))
             else:
-                if copy:
-                    payload = b""
-                    later.append((i, o.group, ids))
-                else:
-                    payload = self._memory.pages(o.group, ids).data
-                ct = self._layout.chunk_tokens(o.group)
-                meta = o.key.meta(token_start=o.index * ct, token_end=(o.index + 1) * ct,
-                                  dtype=shape.dtype,
-                                  shape=(self._layout.chunk_blocks, *shape.dims))
-            items.append((o.key, Block(meta, payload)))
+                payload = self._memory.pages(o.group, ids).data
+            items.append((o.key, Block(described(o, shape, self._layout).meta(), payload)))
             if self._events is not None:
                 self._describe(st, o)
         job = StoreJob(st.req.request_id, items, plan, owner=st, started=started)
@@ -287,3 +281,11 @@ class Stores(JobSide):
         if job.owner is not None:
             job.owner.stores.discard(job)
         self._holds.job_ended(job)
+
+
+def described(o: StoreObject, page: PageLike, layout: plans.Layout) -> ObjectSpec:
+    """The description of a plan's object (:mod:`kvplugin.aio.objects`): a chunk of the
+    layout's ``chunk_blocks`` pages, or a state at its boundary."""
+    if o.state:
+        return state_spec(o.key, page, o.index)
+    return chunk_spec(o.key, page, o.index * layout.chunk_tokens(o.group), len(o.block_ids))

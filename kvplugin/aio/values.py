@@ -165,6 +165,10 @@ class OffloadStats:
     loaded_bytes: int = 0
     loaded_bytes_by_tier: dict[str, int] = field(default_factory=dict)  # where it was found
     recomputed_tokens: int = 0  # claimed, not verified: computed again
+    # Objects a load found but refused: not the object planned (key, token range, page
+    # shape) or a payload of the wrong size (kvplugin.aio.objects). Checksum and format
+    # failures are the connector's (a miss there).
+    objects_refused: int = 0
     # Claims cut by cost (kvplugin.aio.loadcost): by the slowest tier of the part not
     # loaded, and the tokens computed instead of loaded.
     loads_skipped_slower_than_recompute: dict[str, int] = field(default_factory=dict)

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from kvplugin.aio.objects import ObjectSpec, chunk_spec, state_spec
 from kvplugin.aio.tier_events import TierEventView
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations import _events
@@ -76,10 +77,12 @@ class WorkerSide:
 
     _rt: Runtime | None  # the tiers: on the worker's connector only
     _groups: list[GroupIO]
+    _chunk_blocks: int  # pages per chunk object (the layout's)
     _maps: list[PageMap]
     _w: _WorkerState
 
-    def _init_worker(self, events: bool) -> None:
+    def _init_worker(self, chunk_blocks: int, events: bool) -> None:
+        self._chunk_blocks = chunk_blocks
         self._maps = []
         self._w = _WorkerState()
         if events and self._rt is not None:
@@ -136,6 +139,8 @@ class WorkerSide:
             logger.warning("kvplugin load for %s failed: %r", spec.req_id, e)
             blocks = [None] * len(spec.pieces)
         stats = self._w.stats
+        blocks = [b if self._expected(p).accepts(b) else None
+                  for p, b in zip(spec.pieces, blocks, strict=True)]
         stats.add("objects_refused", sum(b is None for b in blocks))
         if spec.per_request and any(b is None for b in blocks):
             # Nothing is copied: vLLM starts the request over and recomputes it all.
@@ -190,20 +195,19 @@ class WorkerSide:
                 _Put(fut, len(items), described, nbytes))
 
     def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
-        out = []
-        for p in pieces:
-            shape = self._groups[p.group].shape
-            payload = pages_out(self._maps[p.group], p.block_ids)
-            if p.state:
-                meta = p.key.meta(token_start=0, token_end=p.first_token, dtype=shape.dtype,
-                                  shape=(1, *shape.dims), boundary=p.first_token)
-            else:
-                n = len(p.block_ids)
-                end = p.first_token + n * shape.block_size
-                meta = p.key.meta(token_start=p.first_token, token_end=end,
-                                  dtype=shape.dtype, shape=(n, *shape.dims))
-            out.append((p.key, Block(meta, cast("Buffer", payload))))
-        return out
+        return [(p.key, Block(self._expected(p).meta(),
+                              cast("Buffer", pages_out(self._maps[p.group], p.block_ids))))
+                for p in pieces]
+
+    def _expected(self, piece: Piece) -> ObjectSpec:
+        """The stored object a piece is (:mod:`kvplugin.aio.objects`, the native manager's
+        description): a load piece's first block is ``skip`` pages into its chunk, and the
+        chunk has the layout's ``chunk_blocks`` pages; a store piece is a whole chunk."""
+        shape = self._groups[piece.group].shape
+        if piece.state:
+            return state_spec(piece.key, shape, piece.first_token)
+        start = piece.first_token - piece.skip * shape.block_size
+        return chunk_spec(piece.key, shape, start, self._chunk_blocks)
 
     # ------------------------------------------------------------------ results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,

@@ -218,7 +218,8 @@ class KVPluginConnector(WorkerSide, KVConnectorBase_V1, SupportsHMA):  # type: i
         self._event_counts: collections.Counter[Any] = collections.Counter()
         self._num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         # worker side
-        self._init_worker(self._events_on and self._config.offload.tier_events)
+        self._init_worker(self._layout.chunk_blocks,
+                          self._events_on and self._config.offload.tier_events)
 
     # ------------------------------------------------------------------ common
     def shutdown(self) -> None:

@@ -14,7 +14,8 @@ AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.ai
        "kvplugin.aio.reqstate", "kvplugin.aio.stores", "kvplugin.aio.loads",
        "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
        "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop",
-       "kvplugin.aio.holdings", "kvplugin.aio.offload_ledger", "kvplugin.aio.admission"]
+       "kvplugin.aio.holdings", "kvplugin.aio.offload_ledger", "kvplugin.aio.admission",
+       "kvplugin.aio.objects"]
 
 
 def _static_imports(root: Path) -> list[tuple[Path, int, str]]:

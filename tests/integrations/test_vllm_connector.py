@@ -20,7 +20,8 @@ from kvplugin.connectors.faults import LocalRedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
-ALL = ["disk", "redis", "corrupt", "poison", "async", "preempt", "native", "dead", "multiturn",
+ALL = ["disk", "redis", "corrupt", "mislabelled", "mamba_mislabelled", "poison", "async",
+       "preempt", "native", "dead", "multiturn",
        "events", "events_evict", "pages",
        "swa", "swa_corrupt", "native_swa", "mamba", "mamba_corrupt", "mamba_multiturn",
        "mamba_tail", "native_mamba", "mamba_preempt", "mamba_diverge", "mamba_diverge_exact",
@@ -104,6 +105,33 @@ def test_corrupt_object_is_a_load_error_and_vllm_recomputes(results: dict[str, A
     assert rec["loads"] == [{"req": "b", "first_token": 0, "blocks": 5, "async": False,
                              "verified": 2, "mismatched": 0, "invalid": 3}]
     assert rec["invalid_blocks"] == 3
+
+
+def test_mislabelled_object_is_refused_by_the_workers_acceptance_check(
+        results: dict[str, Any]) -> None:
+    rec = results["mislabelled"]
+    _check_invariants(rec, EVICTING)
+    # The third object of b's load is valid (checksum, namespace) but holds the second
+    # chunk's bytes and token range: the worker's check (kvplugin.aio.objects, the native
+    # manager's) refuses it, blocks 3..5 are reported invalid and vLLM recomputes them.
+    # Accepting it would load chunk 1's KV into chunk 2's blocks (mismatched 1).
+    assert rec["loads"] == [{"req": "b", "first_token": 0, "blocks": 5, "async": False,
+                             "verified": 2, "mismatched": 0, "invalid": 3}]
+    assert rec["invalid_blocks"] == 3
+    assert rec["worker_stats"]["objects_refused"] == 1
+
+
+def test_mamba_state_labelled_for_another_boundary_fails_the_hybrid_load(
+        results: dict[str, Any]) -> None:
+    rec = results["mamba_mislabelled"]
+    _check_invariants(rec, EVICTING)
+    # The state piece says it is the state at another boundary: refused, the whole hybrid
+    # load fails (a failed receive), vLLM recomputes b and no state it resumed from is wrong.
+    assert rec["failed_loads"] == ["b"]
+    [load] = rec["loads"]
+    assert load["failed"] is True and load["verified"] == 0 == load["mismatched"]
+    assert rec["worker_stats"]["objects_refused"] == 1
+    assert rec["state_mismatches"] == 0
 
 
 def test_kv_computed_over_a_failed_load_is_never_stored(results: dict[str, Any]) -> None:

@@ -142,6 +142,8 @@ SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
     "swa_corrupt": ("swa", "disk", "evict", False, 24),
     "mamba": ("mamba", "disk", "evict_mamba", False, 28),
     "mamba_corrupt": ("mamba", "disk", "evict_mamba", False, 28),
+    "mislabelled": ("full", "disk", "evict", False, 24),
+    "mamba_mislabelled": ("mamba", "disk", "evict_mamba", False, 28),
     "mamba_multiturn": ("mamba", "disk", "multiturn", False, 20),
     "mamba_preempt": ("mamba", "disk", "preempt", False, 10),
     "mla": ("mla", "disk", "evict", False, 24),
@@ -385,6 +387,20 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
                 rt.loop.call(rt.connector.write_raw(spec.pieces[2].key, b"garbage" * 20,
                                                     timeout=5))
         runner.before_load = corrupt
+    if name.endswith("mislabelled"):
+        def mislabel(spec: Any) -> None:
+            # Valid objects under the wrong key (checksummed, the key's namespace): the
+            # third piece of b's load holds the second's bytes and range, its state
+            # piece (Mamba) the state at another boundary's label.
+            if spec.req_id == "b":
+                rt = worker._rt
+                if name == "mislabelled":
+                    relabel(rt, spec.pieces[2].key, spec.pieces[1].key)
+                else:
+                    st = next(p for p in spec.pieces if p.state)
+                    relabel(rt, st.key, st.key, boundary=st.first_token - 16,
+                            token_end=st.first_token - 16)
+        runner.before_load = mislabel
     try:
         result = drive(scheduler, runner, workload_of(wl_name))
         if name == "events_evict":
@@ -397,6 +413,23 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
     if events:
         result["events"] = event_summary(capture.batches)
     return result
+
+
+def relabel(rt: Any, key: Any, source: Any, **changes: Any) -> None:
+    """Put ``source``'s object again under ``key``: valid, with its metadata's key (and
+    ``changes``) rewritten, so only the load's acceptance check can refuse it."""
+    import dataclasses
+
+    from kvplugin.serde import Block
+
+    async def go() -> None:
+        (blk,) = await rt.connector.get([source], timeout=5)
+        assert blk is not None, "the object to relabel is missing"
+        meta = dataclasses.replace(blk.meta, key=key.id, **changes)
+        await rt.connector.delete([key], timeout=5)
+        assert await rt.connector.put([(key, Block(meta, bytes(blk.payload)))], timeout=5) == 1
+
+    rt.loop.call(go())
 
 
 def router_check(batches: list[Any], worker: Any) -> dict[str, Any]:
