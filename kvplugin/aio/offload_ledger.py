@@ -28,6 +28,7 @@ report their objects' events, bytes written elsewhere.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,10 +41,21 @@ from kvplugin.aio.values import OffloadStats
 from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.keys import ObjectKey
 
-__all__ = ["NO_HOLE", "LoadPlan", "LoadReport", "OffloadLedger", "OffloadRequest", "RequestView",
-           "StoreObject", "StorePlan", "TenantCounters"]
+__all__ = ["NO_HOLE", "LoadPlan", "LoadReport", "OffloadLedger", "OffloadRequest", "PlanError",
+           "PlanState", "RequestView", "StoreObject", "StorePlan", "TenantCounters"]
 
 NO_HOLE = 1 << 62  # "every chunk offered so far was stored"
+
+
+class PlanError(RuntimeError):
+    """An illegal transition of a plan (completed twice, not this ledger's): raised before
+    anything changed, so the books stay as they were."""
+
+
+class PlanState(enum.Enum):
+    OPEN = "open"  # prepared, its I/O not reported yet
+    DONE = "done"
+    FAILED = "failed"
 
 
 class RequestView(Protocol):
@@ -105,6 +117,7 @@ class StorePlan:
     tracked: bool
     nbytes: int = 0
     key_ids: frozenset[str] = frozenset()
+    state: PlanState = PlanState.OPEN
 
     def __post_init__(self) -> None:
         self.nbytes = sum(o.nbytes for o in self.objects)
@@ -203,6 +216,7 @@ class OffloadLedger:
         self._chunk_tokens = tuple(layout.chunk_tokens(g) if layout.chunked(g) else 0
                                    for g in range(layout.num_groups))
         self._storing: set[str] = set()  # key ids of objects being stored (tracked)
+        self._open: set[StorePlan] = set()  # tracked plans prepared here, not completed
         self._bytes = 0
         self._tenants: dict[str, TenantCounters] = {}
         # Held tier bytes (count_held): only with a tier quota somewhere.
@@ -388,6 +402,7 @@ class OffloadLedger:
         self.stats.stores += 1
         c.stores += 1
         if plan.tracked:
+            self._open.add(plan)
             self._storing |= plan.key_ids
             self._bytes += plan.nbytes
             c.store_bytes_in_flight += plan.nbytes
@@ -401,10 +416,14 @@ class OffloadLedger:
                         tier_counts: Sequence[int] = ()) -> None:
         """A plan's store ended: ``done`` (every tier took it; ``tier_counts`` per tier, the
         objects present there after the write) or not (failed, cancelled: later states of
-        the request would miss these chunks)."""
+        the request would miss these chunks). A plan completes once, in the ledger that
+        prepared it: anything else raises :class:`PlanError` before a figure changes."""
+        self._check_open(plan)
+        plan.state = PlanState.DONE if done else PlanState.FAILED
         rq, s = plan.request, self.stats
         c = self.tenant(rq.tenant)
         if plan.tracked:
+            self._open.discard(plan)
             self._storing -= plan.key_ids
             self._bytes -= plan.nbytes
             c.store_bytes_in_flight -= plan.nbytes
@@ -430,6 +449,15 @@ class OffloadLedger:
             counts = (min(counts, default=n),) * len(self._tiers)
         for tier, k in zip(self._tiers, counts, strict=True):
             _bump(c.stored_bytes_by_tier, tier, plan.nbytes * min(k, n) // max(1, n))
+
+    def _check_open(self, plan: StorePlan) -> None:
+        rid = plan.request.request_id
+        if plan.state is not PlanState.OPEN:
+            raise PlanError(f"store plan of request {rid!r} completed twice (it is "
+                            f"{plan.state.value} already)")
+        if plan.tracked and plan not in self._open:
+            raise PlanError(f"unknown store plan of request {rid!r}: this ledger did not "
+                            "prepare it")
 
     # ------------------------------------------------------------------ tier quotas
     def count_held(self, reporting: Iterable[str], pump: Callable[[], None],

@@ -75,7 +75,7 @@ def test_async_layer_reaches_the_core_only_through_its_view() -> None:
 # The offload ledger's state machine and the decisions it takes: synchronous, no I/O, no
 # core objects (both integrations execute it; neither's runtime may leak in).
 PURE = ["offload_ledger", "plans", "holdings"]
-PURE_MAY_IMPORT = {"__future__", "collections.abc", "dataclasses", "typing", "itertools",
+PURE_MAY_IMPORT = {"__future__", "collections.abc", "dataclasses", "enum", "typing", "itertools",
                    "math", "types", "kvplugin.aio", "kvplugin.aio.plans",
                    "kvplugin.aio.holdings", "kvplugin.aio.keys", "kvplugin.aio.values",
                    "kvplugin.connectors.events", "kvplugin.connectors.keys",

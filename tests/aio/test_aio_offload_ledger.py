@@ -3,15 +3,24 @@ budget and duplicates, tier quotas, and the counters booked from reported outcom
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import PageShape, StateShape, layout_of
-from kvplugin.aio.offload_ledger import NO_HOLE, LoadReport, OffloadLedger, StorePlan
+from kvplugin.aio.offload_ledger import (
+    NO_HOLE,
+    LoadReport,
+    OffloadLedger,
+    PlanError,
+    PlanState,
+    StorePlan,
+)
 from kvplugin.aio.plans import StateOffer
 from kvplugin.connectors.events import TierEvent
 
@@ -79,6 +88,45 @@ def test_a_step_stores_the_chunks_it_completed_once() -> None:
         1, 2, 2 * PAGE, 0)
     assert c.stored_bytes_by_tier == {"memory": 2 * PAGE, "disk": 2 * PAGE}
     assert led.bytes_in_flight == 0 and not rq.stores
+
+
+def _books(led: OffloadLedger) -> tuple[object, ...]:
+    return copy.deepcopy((led.stats, led.tenants(), led.bytes_in_flight))
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_completing_a_store_plan_twice_raises_and_changes_nothing(first: bool) -> None:
+    led = _ledger(budget=4 * PAGE)
+    req = Req(64)
+    rq = led.open("r", "t", "t", 64)
+    plan = led.offer(rq, req, computed=48, table=_table(4))
+    assert plan is not None and plan.state is PlanState.OPEN
+    led.store_completed(plan, first, (3, 3))
+    assert plan.state is (PlanState.DONE if first else PlanState.FAILED)
+    before, hole = _books(led), rq.hole
+    for again in (True, False):
+        with pytest.raises(PlanError, match="completed twice"):
+            led.store_completed(plan, again, (3, 3))
+    assert _books(led) == before and rq.hole == hole
+    # The objects are no longer in flight: the same chunks offered by another request
+    # are stored again, not deduplicated against a plan that ended.
+    other = led.open("o", "t", "t", 64)
+    again_plan = led.offer(other, req, computed=48, table=_table(4, 9))
+    assert _desc(again_plan) == [(0, 0, False), (0, 1, False), (0, 2, False)]
+
+
+def test_a_plan_of_another_ledger_raises_and_changes_nothing() -> None:
+    mine, theirs = _ledger(), _ledger()
+    req = Req(32)
+    plan = theirs.offer(theirs.open("r", "t", "t", 32), req, computed=32, table=_table(2))
+    assert plan is not None
+    mine.open("r", "t", "t", 32)
+    before = _books(mine)
+    with pytest.raises(PlanError, match="did not prepare it"):
+        mine.store_completed(plan, True, (2, 2))
+    assert _books(mine) == before and plan.state is PlanState.OPEN
+    theirs.store_completed(plan, True, (2, 2))  # its own ledger completes it
+    assert theirs.bytes_in_flight == 0 and theirs.stats.stored_chunks == 2
 
 
 def test_a_duplicate_is_not_stored_twice_and_the_budget_sheds_with_a_hole() -> None:
