@@ -76,6 +76,12 @@ T = TypeVar("T")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 
 
+# redis-py's own RESP3 parser crashes on some malformed replies (an empty push ``>0``, a
+# push whose type is not UTF-8) instead of raising a protocol error: read as one, a server
+# we cannot understand.
+_PARSER_CRASHES = (IndexError, KeyError, TypeError, ValueError)
+
+
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
     """Connection, batching and failure-handling settings (times in seconds)."""
@@ -210,12 +216,19 @@ class RedisConnector(RedisStoreBase):
         self, commands: Sequence[Sequence[Buffer]], check: Callable[[Reply], T]
     ) -> list[T]:
         """Send packed commands on one pooled connection, read and check one reply each."""
-        conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            conn = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+        except _PARSER_CRASHES as exc:  # a pending push read on a pooled connection
+            raise rexc.InvalidResponse(f"malformed reply: {exc!r}") from exc
         try:
             # No per-send health check: the pool has none configured, and a broken
             # connection fails this send, which is retried.
             await conn.send_packed_command([c for cmd in commands for c in cmd], False)
-            return [check(reply) for reply in await conn.read_replies(len(commands))]
+            try:
+                replies = await conn.read_replies(len(commands))
+            except _PARSER_CRASHES as exc:
+                raise rexc.InvalidResponse(f"malformed reply: {exc!r}") from exc
+            return [check(reply) for reply in replies]
         except BaseException:
             # Replies may be left unread, or the server is out of step (a protocol error), or
             # a send was cut short: never reuse it. This aborts, dropping unsent bytes.

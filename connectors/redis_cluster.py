@@ -70,7 +70,7 @@ from kvplugin.connectors.base import (
     StoragePermissionError,
     decode_all,
 )
-from kvplugin.connectors.redis import RedisConnector, RedisOptions
+from kvplugin.connectors.redis import _PARSER_CRASHES, RedisConnector, RedisOptions
 from kvplugin.connectors.redis_cluster_options import (
     SCHEME,
     RedisClusterOptions,
@@ -588,7 +588,10 @@ class RedisClusterConnector(RedisStoreBase):
                     pieces.append(_ASKING)
                 pieces.extend(command)
             await conn.send_packed_command(pieces, False)
-            replies = await conn.read_replies(len(commands) + sum(asking))
+            try:
+                replies = await conn.read_replies(len(commands) + sum(asking))
+            except _PARSER_CRASHES as exc:
+                raise rexc.InvalidResponse(f"malformed reply: {exc!r}") from exc
             if not any(asking):
                 return replies  # type: ignore[no-any-return]
             out: list[Reply] = []
