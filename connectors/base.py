@@ -386,6 +386,14 @@ class Connector(abc.ABC):
     async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
         """Verified blocks (payloads are zero-copy views), ``None`` for every miss."""
 
+    async def get_located(self, keys: Sequence[ObjectKey], *, timeout: float
+                          ) -> tuple[list[Block | None], list[int]]:
+        """:meth:`get`, saying where each block came from: per key the level of the tier
+        that served it (its index in ``tiers``, fastest first; 0 for a plain connector),
+        -1 for a miss."""
+        blocks = await self.get(keys, timeout=timeout)
+        return blocks, [-1 if b is None else 0 for b in blocks]
+
     @abc.abstractmethod
     async def put(self, items: Sequence[PutItem], *, timeout: float) -> int:
         """Store objects that are not yet present; returns how many are present now.

@@ -78,6 +78,7 @@ class _Answer:
 
     blocks: list[Block | None]
     by_tier: list[int]
+    levels: list[int]  # per key, the level that served it (-1: a miss)
     timed_out: bool = False
 
 
@@ -161,6 +162,10 @@ class TieredConnector(Guarded, Connector):
         return n
 
     async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
+        return (await self.get_located(keys, timeout=timeout))[0]
+
+    async def get_located(self, keys: Sequence[ObjectKey], *, timeout: float
+                          ) -> tuple[list[Block | None], list[int]]:
         self._check_open()
         keys = check_keys(keys)
         deadline = Deadline.after(timeout)
@@ -179,10 +184,10 @@ class TieredConnector(Guarded, Connector):
         self._stats.misses += len(keys) - hits
         if answer.timed_out:
             self._stats.timeouts += 1
-        return answer.blocks
+        return answer.blocks, answer.levels
 
     async def _get(self, keys: list[ObjectKey], deadline: Deadline, read: _Read) -> _Answer:
-        answer = _Answer([None] * len(keys), [0] * len(self.tiers))
+        answer = _Answer([None] * len(keys), [0] * len(self.tiers), [-1] * len(keys))
         missing = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
             if not missing:
@@ -197,6 +202,7 @@ class TieredConnector(Guarded, Connector):
             for i, block in zip(missing, blocks, strict=True):
                 if block is not None:
                     answer.blocks[i] = block
+                    answer.levels[i] = level
                     found.append((keys[i], block))
             answer.by_tier[level] = len(found)
             if found and level and self.promote:

@@ -43,6 +43,10 @@ class TierHoldings:
     def held(self, tenant: str, tier: str) -> int:
         return self._held.get((tenant, tier), 0)
 
+    def by_tenant_tier(self) -> dict[tuple[str, str], int]:
+        """Every (tenant, tier) holding bytes now, and how many."""
+        return dict(self._held)
+
     def expect(self, tenant: str, objects: Iterable[tuple[str, int]]) -> None:
         """A store job of ``tenant`` writes these ``(object id, bytes)``."""
         for sid, nbytes in objects:

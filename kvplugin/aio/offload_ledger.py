@@ -229,6 +229,16 @@ class OffloadLedger:
         return self._budget is not None
 
     @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tier names stores are charged on, fastest first."""
+        return self._tiers
+
+    def name_tiers(self, tiers: Sequence[str]) -> None:
+        """The tiers stores are charged on, learned late (the vLLM scheduler hears them from
+        its workers, which build the tiers)."""
+        self._tiers = tuple(tiers)
+
+    @property
     def bytes_in_flight(self) -> int:
         return self._bytes
 

@@ -1,8 +1,9 @@
-"""The worker side of the vLLM connector: loads into and stores out of vLLM's KV tensors.
+"""The worker half of the vLLM connector: loads into and stores out of vLLM's KV tensors,
+and the reports of how each ended (:mod:`._outcomes`).
 
-Loads: a step's synchronous loads are in the tensors when ``start_load_kv`` returns (the
-forward reads them); async ones report through ``get_transfer_results``. A load that
-misses or fails verification is reported the way vLLM 0.33 accepts for the layout:
+Loads: a step's synchronous loads are in the tensors when ``start_load`` returns (the
+forward reads them); async ones report through ``get_finished``. A load that misses or
+fails verification is reported the way vLLM 0.33 accepts for the layout:
 
 * one KV-cache group (``per_request`` False): the block ids from the first bad object on,
   through ``get_block_ids_with_load_errors`` (vLLM truncates to the first one);
@@ -10,7 +11,13 @@ misses or fails verification is reported the way vLLM 0.33 accepts for the layou
   per group only; vLLM raises on them and resets the request to recompute).
 
 Stores copy the pages out at ``wait_for_save`` (the device may reuse the blocks at once;
-a Mamba state block is not even held by the request) and finish in the background.
+a Mamba state block is not even held by the request) and finish in the background. How
+every store plan and load ended goes back to the scheduler's ledger in the step's worker
+metadata, with the tiers' object events (the tenants' held bytes).
+
+Loud tiers: a tier that fails its health check at start is one warning (or, with
+``offload.require_tiers``, a failed start); tier errors are counted per tier in vLLM's
+stats and logged at most once per tier per interval, with the count.
 """
 
 from __future__ import annotations
@@ -18,15 +25,18 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from kvplugin.aio.jobs import connector_tiers
 from kvplugin.aio.objects import ObjectSpec, chunk_spec, state_spec
 from kvplugin.aio.tier_events import TierEventView
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations import _events
 from kvplugin.integrations._groups import pages_out
-from kvplugin.integrations._stats import KVPluginStats
+from kvplugin.integrations._outcomes import KVPluginWorkerMeta, LoadOutcome, StoreOutcome
+from kvplugin.integrations._stats import KVPluginStats, RateLimitedLog
 from kvplugin.serde import Block
 
 if TYPE_CHECKING:
@@ -36,9 +46,11 @@ if TYPE_CHECKING:
     from kvplugin.integrations._hits import Piece
     from kvplugin.integrations._runtime import Runtime
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "check_tiers"]
 
 logger = logging.getLogger(__name__)
+
+_Fetched = tuple[list[Block | None], list[int]]  # blocks, and the tier level of each
 
 
 @dataclass(slots=True)
@@ -46,17 +58,16 @@ class _Pending:
     """An async load in flight."""
 
     spec: Any  # LoadSpec
-    future: concurrent.futures.Future[list[Block | None]]
+    future: concurrent.futures.Future[_Fetched]
 
 
 @dataclass(slots=True)
 class _Put:
     """A store in flight (``described``: its objects the tier event view knows)."""
 
-    future: concurrent.futures.Future[int]
-    count: int
+    plan: int
+    future: concurrent.futures.Future[list[int | None]]
     described: list[str]
-    nbytes: int
 
 
 @dataclass(slots=True)
@@ -67,37 +78,38 @@ class _WorkerState:
     load_errors: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)  # finished with a failure
     stats: KVPluginStats = field(default_factory=KVPluginStats)
+    reports: KVPluginWorkerMeta = field(default_factory=KVPluginWorkerMeta)
     # Tier events on: what this worker's stored objects stand for, and its subscription.
     view: TierEventView | None = None
     subscription: int = -1
+    feed: int = -1  # the subscription whose events go to the scheduler (held bytes)
+    tier_errors: list[int] = field(default_factory=list)  # per tier, at the last report
 
 
 class WorkerSide:
-    """Mixed into the connector; expects ``_rt``, ``_groups`` and ``_copy_in``."""
+    """One worker's I/O over the tiers of ``rt``; ``copy_in(piece, payload)`` writes a
+    loaded object's pages into vLLM's tensors."""
 
-    _rt: Runtime | None  # the tiers: on the worker's connector only
-    _groups: list[GroupIO]
-    _chunk_blocks: int  # pages per chunk object (the layout's)
-    _maps: list[PageMap]
-    _w: _WorkerState
-
-    def _init_worker(self, chunk_blocks: int, events: bool) -> None:
+    def __init__(self, rt: Runtime, groups: list[GroupIO], chunk_blocks: int, *,
+                 events: bool, feed: bool,
+                 copy_in: Callable[[Piece, Any], None]) -> None:
+        self._rt = rt
+        self._groups = groups
         self._chunk_blocks = chunk_blocks
-        self._maps = []
+        self._copy_in = copy_in
+        self.maps: list[PageMap] = []
         self._w = _WorkerState()
-        if events and self._rt is not None:
+        self._tier_names = [t.capabilities.tier for t in connector_tiers(rt.connector)]
+        self._w.tier_errors = [0] * len(self._tier_names)
+        self._log = RateLimitedLog()
+        if events:
             self._w.view = TierEventView()
-            self._w.subscription = self._rt.subscribe_events()
-
-    if TYPE_CHECKING:  # provided by vLLM's base class and by the connector
-        def _get_connector_metadata(self) -> Any: ...
-
-        def _copy_in(self, piece: Piece, payload: Any) -> None: ...
+            self._w.subscription = rt.subscribe_events()
+        if feed:
+            self._w.feed = rt.subscribe_events()
 
     @property
-    def _tiers(self) -> Runtime:
-        if self._rt is None:
-            raise RuntimeError("a worker call on the scheduler's KVPluginConnector")
+    def runtime(self) -> Runtime:
         return self._rt
 
     def wait_for_stores(self, timeout: float | None = None) -> bool:
@@ -106,23 +118,22 @@ class WorkerSide:
         calls it: shutdown does, and a harness that must see a step's stores in the tiers
         before it sends the next request (stores otherwise end on the tiers' time)."""
         futures = [p.future for puts in self._w.saves.values() for p in puts]
-        limit = self._tiers.timeouts.store if timeout is None else timeout
+        limit = self._rt.timeouts.store if timeout is None else timeout
         return not concurrent.futures.wait(futures, timeout=limit).not_done
 
     # ------------------------------------------------------------------ loads
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load(self, meta: Any) -> None:
         """Start this step's loads; synchronous ones are in the tensors on return (the
         model reads them in this forward), async ones report through get_finished."""
-        meta = self._get_connector_metadata()
-        timeout = self._tiers.timeouts.load
+        rt = self._rt
         for spec in meta.loads:
-            fut: concurrent.futures.Future[list[Block | None]]
+            fut: concurrent.futures.Future[_Fetched]
             if spec.broken:
                 fut = concurrent.futures.Future()
-                fut.set_result([None] * len(spec.pieces))
+                fut.set_result(([None] * len(spec.pieces), [-1] * len(spec.pieces)))
             else:
                 keys = [p.key for p in spec.pieces]
-                fut = self._tiers.loop.submit(self._tiers.connector.get(keys, timeout=timeout))
+                fut = rt.loop.submit(rt.connector.get_located(keys, timeout=rt.timeouts.load))
             if spec.is_async:
                 self._w.loads[spec.req_id] = _Pending(spec, fut)
             else:
@@ -130,48 +141,48 @@ class WorkerSide:
         for rid in meta.delayed_frees:
             self._w.awaiting_send.add(rid)
 
-    def _finish_load(self, spec: Any, fut: concurrent.futures.Future[list[Block | None]]
-                     ) -> bool:
+    def _finish_load(self, spec: Any, fut: concurrent.futures.Future[_Fetched]) -> bool:
         """Copy a finished load in; False when an object is missing or bad (reported)."""
         try:
-            blocks: list[Block | None] = fut.result(self._tiers.timeouts.load + 1.0)
+            blocks, levels = fut.result(self._rt.timeouts.load + 1.0)
         except Exception as e:
-            logger.warning("kvplugin load for %s failed: %r", spec.req_id, e)
-            blocks = [None] * len(spec.pieces)
-        stats = self._w.stats
+            self._log.warn("load", "load for %s failed: %r (a miss)", spec.req_id, e)
+            blocks, levels = [None] * len(spec.pieces), [-1] * len(spec.pieces)
         blocks = [b if self._expected(p).accepts(b) else None
                   for p, b in zip(spec.pieces, blocks, strict=True)]
-        stats.add("objects_refused", sum(b is None for b in blocks))
-        if spec.per_request and any(b is None for b in blocks):
+        self._w.stats.add("objects_refused", sum(b is None for b in blocks))
+        bad = next((i for i, b in enumerate(blocks) if b is None), None)
+        if bad is not None and spec.per_request:
             # Nothing is copied: vLLM starts the request over and recomputes it all.
             self._w.failed_loads.add(spec.req_id)
-            stats.add("loads_failed")
+            self._report_load(spec, spec.first_token, ())
             return False
-        for i, (piece, block) in enumerate(zip(spec.pieces, blocks, strict=True)):
-            if block is None:
-                # vLLM recomputes from the first bad block: report every block from here.
-                for p in spec.pieces[i:]:
-                    self._w.load_errors.update(b for b in p.block_ids if b)
-                stats.add("loads_failed")
-                return False
+        copied = []
+        for piece, block, level in zip(spec.pieces[:bad], blocks[:bad], levels[:bad],
+                                       strict=True):
+            assert block is not None
             self._copy_in(piece, block.payload)
-            stats.add("objects_loaded")
-            stats.add("bytes_loaded", memoryview(block.payload).nbytes)
-        stats.add("loads")
+            copied.append((level, memoryview(block.payload).nbytes, piece.state))
+        if bad is not None:
+            # vLLM recomputes from the first bad block: report every block from here.
+            for p in spec.pieces[bad:]:
+                self._w.load_errors.update(b for b in p.block_ids if b)
+            first = spec.pieces[bad]
+            verified = max(spec.first_token, first.first_token)
+            self._report_load(spec, verified, tuple(copied))
+            return False
+        self._report_load(spec, spec.end_token, tuple(copied))
         return True
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # synchronous loads completed in start_load_kv
+    def _report_load(self, spec: Any, verified: int,
+                     copied: tuple[tuple[int, int, bool], ...]) -> None:
+        self._w.reports.loads.append(LoadOutcome(spec.req_id, spec.first_token,
+                                                 spec.end_token, verified, copied))
 
     # ------------------------------------------------------------------ stores
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        return None  # pages are copied once per step, in wait_for_save
-
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, meta: Any) -> None:
         """Copy this step's objects out of the KV tensors (the device may reuse the blocks
         at once) and hand them to the tiers; the puts finish in the background."""
-        meta = self._get_connector_metadata()
         failed = self._w.load_errors  # this step's: vLLM collects them after the save
         for spec in meta.saves:
             if failed and not failed.isdisjoint(spec.reads):
@@ -180,23 +191,23 @@ class WorkerSide:
                 logger.debug("kvplugin: store of %s withheld: it read a failed load",
                              spec.req_id)
                 self._w.stats.add("stores_withheld", len(spec.pieces))
+                self._w.reports.stores.append(StoreOutcome(spec.plan, False))
                 continue
             items = self._items_out(spec.pieces)
-            rt = self._tiers
-            fut = rt.loop.submit(rt.connector.put(items, timeout=rt.timeouts.store))
+            rt = self._rt
+            fut = rt.loop.submit(rt.connector.put_per_tier(items, timeout=rt.timeouts.store))
             described = []
             if self._w.view is not None:
                 for p in spec.pieces:
                     if p.event is not None:  # its events may come from now on
                         self._w.view.describe(p.key.id, _events.info_of(p.event))
                         described.append(p.key.id)
-            nbytes = sum(memoryview(b.payload).nbytes for _, b in items)
             self._w.saves.setdefault(spec.req_id, []).append(
-                _Put(fut, len(items), described, nbytes))
+                _Put(spec.plan, fut, described))
 
     def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
         return [(p.key, Block(self._expected(p).meta(),
-                              cast("Buffer", pages_out(self._maps[p.group], p.block_ids))))
+                              cast("Buffer", pages_out(self.maps[p.group], p.block_ids))))
                 for p in pieces]
 
     def _expected(self, piece: Piece) -> ObjectSpec:
@@ -210,8 +221,7 @@ class WorkerSide:
         return chunk_spec(piece.key, shape, start, self._chunk_blocks)
 
     # ------------------------------------------------------------------ results
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                set[str] | None]:
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished_sending, finished_recving): delayed frees whose stores are done, async
         loads that completed (copied into the tensors here, errors recorded)."""
         sending = set()
@@ -240,11 +250,11 @@ class WorkerSide:
                     del self._w.saves[rid]
         return sending or None, recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+    def get_transfer_results(self) -> Any:
         """vLLM 0.33's results: get_finished's, plus the async loads that failed (a request
         of a multi-group layout; it is in finished_recving too, as vLLM requires)."""
         base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
-        sending, recving = self.get_finished(finished_req_ids)
+        sending, recving = self.get_finished()
         failed, self._w.failed_loads = self._w.failed_loads & set(recving or ()), set()
         return base.KVConnectorTransferResults(finished_sending=set(sending or ()),
                                                finished_recving=set(recving or ()),
@@ -256,22 +266,44 @@ class WorkerSide:
                 self._w.view.settle(p.described)
             exc = None if p.future.cancelled() else p.future.exception()
             if p.future.cancelled() or exc is not None:
-                logger.warning("kvplugin store for %s failed: %r", rid, exc)
-                self._w.stats.add("stores_failed")
-            elif p.future.result() >= p.count:
-                self._w.stats.add("objects_stored", p.count)
-                self._w.stats.add("bytes_stored", p.nbytes)
-            else:
-                self._w.stats.add("stores_failed")
+                self._log.warn("store", "store for %s failed: %r", rid, exc)
+                self._w.reports.stores.append(StoreOutcome(p.plan, False))
+                continue
+            # Done as natively (:func:`kvplugin.aio.jobs.run_store`): some tier took the
+            # write; each tier is charged what it holds.
+            counts = tuple(0 if n is None else n for n in p.future.result())
+            self._w.reports.stores.append(StoreOutcome(p.plan, True, counts))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._w.load_errors = self._w.load_errors, set()
         return errors
 
+    def build_connector_worker_meta(self) -> KVPluginWorkerMeta | None:
+        """How this step's stores and loads ended, and the tiers' events since the last
+        call, for the scheduler's ledger (:mod:`._outcomes`)."""
+        reports = self._w.reports
+        if self._w.feed >= 0:
+            reports.events.extend(self._rt.take_events(self._w.feed))
+        if not (reports.stores or reports.loads or reports.events):
+            return None
+        self._w.reports = KVPluginWorkerMeta()
+        reports.tiers = tuple(self._tier_names)
+        return reports
+
     def get_kv_connector_stats(self) -> KVPluginStats | None:
-        """This worker's counts since the last call (vLLM sums them over workers, logs
-        them and exports them to Prometheus: :mod:`._stats`)."""
+        """This worker's counts since the last call: refused objects, withheld stores and
+        each tier's errors (a tier that fails is logged once per interval)."""
         stats = self._w.stats
+        for i, tier in enumerate(connector_tiers(self._rt.connector)):
+            errors = tier.stats().errors
+            new = errors - self._w.tier_errors[i]
+            if new > 0:
+                name = self._tier_names[i]
+                stats.add("tier_errors", new, tier=name)
+                self._log.warn(f"tier:{name}", "tier %s: %d backend calls failed since the "
+                               "last report (%d in all); stores and loads go on without it",
+                               name, new, errors)
+            self._w.tier_errors[i] = errors
         if stats.is_empty():
             return None
         self._w.stats = KVPluginStats()
@@ -280,7 +312,7 @@ class WorkerSide:
     def get_kv_connector_kv_cache_events(self) -> Any:
         """The tiers' ``BlockStored`` / ``BlockRemoved`` since the last call (:mod:`._events`)."""
         view = self._w.view
-        if view is None or self._rt is None:
+        if view is None:
             return None
         told = view.apply(self._rt.take_events(self._w.subscription))
         if not told:
@@ -288,3 +320,26 @@ class WorkerSide:
         events = _events.new_events(1)
         events.add_events([_events.to_vllm(e) for e in told])
         return events
+
+
+def check_tiers(rt: Runtime, require: bool) -> None:
+    """The tiers' health at engine start: each failing tier is one warning in vLLM's log;
+    ``require`` (``offload.require_tiers``) makes any failure fail the start."""
+    tiers = connector_tiers(rt.connector)
+    timeout = min(rt.timeouts.store, 5.0)
+    bad = []
+    for t in tiers:
+        try:
+            h = rt.loop.call(t.health(timeout=timeout), timeout=timeout + 1.0)
+            ok, detail = h.ok, h.detail
+        except Exception as e:  # a probe that cannot run is a failed probe
+            ok, detail = False, repr(e)
+        if not ok:
+            bad.append(f"{t.capabilities.tier} ({detail})")
+    if not bad:
+        return
+    msg = f"kvplugin: tier(s) failed their health check at start: {'; '.join(bad)}"
+    if require:
+        raise RuntimeError(msg + " (offload.require_tiers is true)")
+    logger.warning("%s; kvplugin goes on with the others and counts the failures as "
+                   "tier_errors", msg)

@@ -75,6 +75,9 @@ def _check_invariants(rec: dict[str, Any], finished: list[str]) -> None:
     # were all released, nothing leaked.
     assert rec["free_blocks"] == rec["num_blocks"] - 1
     assert rec["connector"] == "KVPluginConnector"  # loaded through vLLM's factory
+    # Every store plan the scheduler's ledger prepared was completed from the workers'
+    # reports (kv_connector_worker_meta): nothing left open, no byte still in flight.
+    assert rec["open_plans"] == 0 and rec["bytes_in_flight"] == 0
 
 
 EVICTING = ["a", "b", "f0", "f1", "f2", "f3"]

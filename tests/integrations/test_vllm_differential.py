@@ -29,6 +29,9 @@ RUNS = [*LAYOUTS, "full:mutant"]
 
 # Known differences of the Mamba run (reported, not hidden: the equality test of that run is
 # a strict xfail; test_mamba_run_differs_only_as_known fails on any other difference).
+# One 16-token attention block of vllm_fake's model: 2 layers x (K, V) x 2 heads x 4 x 16
+# tokens x 4 bytes (float32).
+KV_PAGE_BYTES = 2048
 MAMBA_KNOWN = (
     "a known difference on full + Mamba: request L's device attention hit (128, from c) is "
     "deeper than any device Mamba state and the tier holds the state at exactly 128: the "
@@ -120,6 +123,17 @@ def test_mamba_run_differs_only_as_known(results: dict[str, Any]) -> None:
         for s in sides["only_vllm"]:  # chunks of the tokens the native side kept on device
             m = re.fullmatch(rf"step {step} g0 kv\[(\d+),(\d+)\) \.\.[0-9a-f]+", s)
             assert m is not None and int(m.group(2)) <= kept, _readable(loads)
+    # The books differ by exactly that: the kept tokens are device hits natively, tier hits
+    # (and loaded bytes: one page per kept block) in vLLM; every other counter is equal.
+    books = diff.pop("books", {})
+    kept = sum(both["native"][0]["local"] - both["vllm"][0]["local"]
+               for both in claims.values())
+    assert set(books) == {"acme.device_hit_tokens", "acme.tier_hit_tokens",
+                          "acme.loaded_bytes"}, _readable(books)
+    dev, tier = books["acme.device_hit_tokens"], books["acme.tier_hit_tokens"]
+    assert dev["native"] - dev["vllm"] == kept == tier["vllm"] - tier["native"] > 0
+    loaded = books["acme.loaded_bytes"]
+    assert loaded["vllm"] - loaded["native"] == kept // 16 * KV_PAGE_BYTES
     # Both store the same objects, and neither stores one the tier already held (both
     # start a request's stores past the chunks its lookup found: the offload ledger's rule).
     assert rec["redundant_stores"] == {"vllm": [], "native": []}, rec["redundant_stores"]
@@ -143,6 +157,19 @@ def test_a_divergence_fails_with_a_readable_diff(results: dict[str, Any]) -> Non
 def _put(step: int, group: int, start: int, key: str) -> dict[str, Any]:
     return {"step": step, "key": key * 96, "kind": "kv", "group": group,
             "tokens": [start, start + 16]}
+
+
+def test_compare_reports_each_counter_the_books_disagree_on() -> None:
+    """:func:`compare` on the books alone: equal books give ``{}``; a tenant whose stored
+    bytes differ, or a tenant only one side booked, are named counter by counter."""
+    row = {"stores": 3, "stored_bytes": 4096, "stored_bytes_by_tier": {"disk": 4096}}
+    side = {"claims": {}, "stores": [], "loads": [], "books": {"t": row}}
+    assert compare(side, json.loads(json.dumps(side)), {}) == {}
+    other = {**side, "books": {"t": {**row, "stored_bytes_by_tier": {"disk": 2048}},
+                               "u": {"stores": 1}}}
+    assert compare(side, other, {})["books"] == {
+        "t.stored_bytes_by_tier": {"vllm": {"disk": 4096}, "native": {"disk": 2048}},
+        "u.stores": {"vllm": None, "native": 1}}
 
 
 def test_compare_catches_one_chunk_more_and_one_token_less() -> None:

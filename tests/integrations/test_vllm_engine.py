@@ -24,6 +24,8 @@ SCENARIOS = Path(__file__).with_name("vllm_engine_scenarios.py")
 MODELS = ["llama", "mistral", "gemma3"]
 # A 256-token prompt's hit: its 7 whole blocks of 32 (vLLM computes the last token).
 PROMPT_HIT = 224
+# One 32-token chunk of the test Llama: 2 layers x (K, V) x 2 KV heads x 32 x 32 tokens x 4 B.
+CHUNK_BYTES = 32768
 # Six engine processes per model, a server and AsyncLLM: minutes, not pytest's default.
 pytestmark = pytest.mark.timeout(1500)
 
@@ -36,7 +38,7 @@ def _engine_python() -> str:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     py = _engine_python()
-    names = [*MODELS, "serve", "asyncllm"]
+    names = [*MODELS, "serve", "asyncllm", "tenancy", "roles"]
     if LocalRedisServer.available():
         names.append("redis")
     elif os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
@@ -81,10 +83,10 @@ def test_outputs_with_the_connector_equal_vllm_alone(results: dict[str, Any],
     # Greedy outputs of both rounds, chunked prefill, a pool smaller than the working set.
     assert run["outputs"] == ref["outputs"]
     st = run["stats"]
-    assert st["objects_stored"] > 0 and st.get("stores_failed", 0) == 0
+    assert st["stored_chunks"] > 0 and st.get("stores_failed", 0) == 0
     # Evicted history came back from the tier within the run, every object verified.
-    assert st["objects_loaded"] > 0 and st.get("objects_refused", 0) == 0
-    assert st.get("loads_failed", 0) == 0
+    assert st["loads"] > 0 and st["loaded_bytes"] > 0 and st.get("objects_refused", 0) == 0
+    assert st.get("load_failures", 0) == 0
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -100,7 +102,7 @@ def test_fresh_engine_gets_external_hits_and_no_tenant_crosses(results: dict[str
     # device cache held only tenant b's request), outputs equal.
     assert fresh["cached"][1:5] == [PROMPT_HIT] * 4
     assert fresh["outputs"][1:] == ref["outputs"]
-    assert fresh["stats"]["objects_loaded"] > 0
+    assert fresh["stats"]["loaded_bytes"] > 0
     assert fresh["stats"].get("objects_refused", 0) == 0
 
 
@@ -112,7 +114,7 @@ def test_damaged_objects_are_refused_and_outputs_still_equal(results: dict[str, 
     run = rec["damaged"]
     assert run["outputs"] == rec["reference"]["outputs"]
     st = run["stats"]
-    assert st["objects_refused"] > 0 and st["loads_failed"] > 0
+    assert st["objects_refused"] > 0 and st["load_failures"] > 0
     if model == "llama":
         # One group: synchronous loads, and the steps whose loads failed computed KV over
         # missing bytes: none of it was stored (stored, a later request loaded it,
@@ -129,9 +131,9 @@ def test_redis_tier_serves_a_fresh_engine(results: dict[str, Any]) -> None:
     rec = results["redis"]
     ref = results["llama"]["reference"]["outputs"][:4]  # the same model and prompts
     assert rec["first"]["outputs"] == ref and rec["second"]["outputs"] == ref
-    assert rec["first"]["stats"]["objects_stored"] > 0
+    assert rec["first"]["stats"]["stored_chunks"] > 0
     assert rec["second"]["cached"] == [PROMPT_HIT] * 4
-    assert rec["second"]["stats"]["objects_loaded"] > 0
+    assert rec["second"]["stats"]["loaded_bytes"] > 0
 
 
 @pytest.mark.parametrize("mode", ["serve", "asyncllm"])
@@ -145,5 +147,58 @@ def test_async_engine_serves_an_evicted_prompt_from_the_tier(results: dict[str, 
     assert again["cached"] == PROMPT_HIT  # the device pool lost it: the tier served it
     if mode == "serve":  # kvplugin's counters on the server's /metrics
         m = results["serve"]["metrics"]
-        assert m["vllm:kvplugin_objects_loaded_total"] >= PROMPT_HIT // 32
+        # Per tenant (the default one here): the prompt's 7 chunks came from the tiers.
+        assert m["vllm:kvplugin_loaded_bytes_total{tenant=default}"] >= 7 * CHUNK_BYTES
+        assert m["vllm:kvplugin_loads_total{tenant=default}"] >= 1
         assert m["vllm:kvplugin_objects_refused_total"] == 0
+
+
+def test_a_tenants_tier_quota_binds_in_vllms_engine(results: dict[str, Any]) -> None:
+    """Two tenants (``cache_salt``) on one disk tier, a's quota a quarter of its working
+    set: a's bytes held on the tier stay at or under the quota after every round, b stores
+    everything, and both tenants' figures are in ``LLM.get_metrics()`` by tenant."""
+    rec = results["tenancy"]
+    run, quota = rec["quota"], rec["quota_bytes"]
+    assert quota == 8 * CHUNK_BYTES
+    assert rec["held_a"] and max(rec["held_a"]) <= quota
+    assert rec["held_a"][-1] == quota  # the quota was reached, never passed
+    st = run["stats"]
+    assert st["stored_bytes{tenant=a,tier=disk}"] == quota
+    assert st["stores_shed_quota{tenant=a}"] == st["stores_shed{tenant=a}"] > 0
+    assert st.get("stores_shed{tenant=b}", 0) == 0
+    assert st["stored_chunks{tenant=b}"] > st["stored_chunks{tenant=a}"] == 8
+    assert st["requests{tenant=a}"] == st["requests{tenant=b}"] == 4
+    # The tenants' outputs are the same prompts' (a quota sheds stores, never answers).
+    assert run["outputs"][0::2] == run["outputs"][1::2]
+
+
+def test_a_dead_redis_beside_a_disk_tier_is_counted_and_logged_once(
+        results: dict[str, Any]) -> None:
+    rec = results["tenancy"]
+    st = rec["dead"]["stats"]
+    assert st["tier_errors{tier=redis}"] > 0
+    assert st["stored_chunks"] > 0 and st.get("stores_failed", 0) == 0
+    assert st.get("stored_bytes{tenant=default,tier=redis}", 0) == 0
+    assert rec["dead"]["outputs"] == results["llama"]["reference"]["outputs"][:4]
+    # One line at start, one rate-limited line for the errors: not one per request.
+    start, errors = rec["dead_lines"]
+    assert start.startswith("kvplugin: tier(s) failed their health check at start: redis")
+    assert errors.startswith("kvplugin: tier redis: ")
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_producer_and_a_consumer_share_one_tier(results: dict[str, Any], tier: str) -> None:
+    """kv_producer serves round one (stores, never loads); a fresh kv_consumer on the same
+    tier loads every prompt's whole blocks and stores nothing; the producer again, on the
+    populated tier, loads nothing. Every output equals vLLM alone."""
+    rec = results["roles"]
+    if tier not in rec:
+        pytest.skip("redis-server is not installed")
+    ref = rec["reference"]["outputs"]
+    prod, cons, again = (rec[tier][k] for k in ("producer", "consumer", "producer_again"))
+    assert prod["outputs"] == cons["outputs"] == again["outputs"] == ref
+    assert prod["stats"]["stored_chunks"] > 0 and prod["stats"].get("loads", 0) == 0
+    assert cons["cached"] == [PROMPT_HIT] * 4 and cons["stats"]["loads"] == 4
+    assert cons["stats"].get("stores", 0) == 0 and cons["stats"].get("stored_chunks", 0) == 0
+    # Only the device's own hits (the shared system prompt, from the second request on).
+    assert again["cached"] == prod["cached"] and again["stats"].get("loads", 0) == 0

@@ -186,9 +186,36 @@ def compare(vllm: Rec, native: Rec, owners: Rec) -> Rec:
                 only.setdefault(rid, {})[side] = labels
         if only:
             diff[what] = dict(sorted(only.items()))
+    vb, nb = vllm.get("books", {}), native.get("books", {})
+    books = {f"{t}.{k}": {"vllm": vb.get(t, {}).get(k), "native": nb.get(t, {}).get(k)}
+             for t in sorted(set(vb) | set(nb)) for k in BOOK_FIELDS
+             if vb.get(t, {}).get(k) != nb.get(t, {}).get(k)}
+    if books:
+        diff["books"] = books
     if native.get("schedule"):
         diff["schedule"] = native["schedule"]
     return diff
+
+
+# The ledger's per-tenant counters both executors book the same way. Hit tokens: the device's,
+# and the tiers' together (vLLM asks the tiers as one).
+BOOK_FIELDS = ("requests", "prompt_tokens", "queries", "queried_tokens", "device_hit_tokens",
+               "tier_hit_tokens", "loads", "loads_failed", "loaded_bytes", "stores",
+               "stored_chunks", "stored_bytes", "stored_bytes_by_tier", "stores_failed",
+               "stores_shed", "stores_deduplicated", "store_bytes_in_flight")
+
+
+def book_of(ledger: Any) -> Rec:
+    """An offload ledger's per-tenant counters, as :data:`BOOK_FIELDS` names them."""
+    out: Rec = {}
+    for tenant, c in ledger.tenants().items():
+        hits = dict(c.hit_tokens)
+        row = {k: getattr(c, k) for k in BOOK_FIELDS if hasattr(c, k)}
+        row["stored_bytes_by_tier"] = dict(c.stored_bytes_by_tier)
+        row["device_hit_tokens"] = hits.pop("device", 0)
+        row["tier_hit_tokens"] = sum(hits.values())
+        out[tenant] = row
+    return out
 
 
 # ------------------------------------------------------------------------ workloads
@@ -254,6 +281,7 @@ class VllmTrace:
     steps: int
     load_mismatches: int
     finished: list[str]
+    books: Rec = field(default_factory=dict)  # the scheduler connector's ledger, per tenant
 
 
 def config(workdir: str, layout: str, root: str, tag: str, pool: int) -> str:
@@ -376,11 +404,12 @@ def run_vllm(workdir: str, config_file: str, p: Plan, workload: list[Rec],
             out = scheduler.update_from_output(so, runner.step(so))
             for outs in out.values():
                 finished += [o.request_id for o in outs.outputs if o.finish_reason is not None]
+        books = book_of(conn.scheduler_side.ledger)
     finally:
         worker.shutdown()
         conn.shutdown()
     return VllmTrace(events, claims, {r: list(q.all_token_ids) for r, q in reqs.items()},
-                     step, sum(ld.mismatched for ld in runner.loads), sorted(finished))
+                     step, sum(ld.mismatched for ld in runner.loads), sorted(finished), books)
 
 
 # ---------------------------------------------------------------------- native side
@@ -390,6 +419,7 @@ class NativeRun:
     schedule: list[Rec]  # where the native manager could not follow vLLM's schedule
     names: dict[str, list[str]]  # key -> the requests whose tokens name it (arrival order)
     load_outcomes: list[str]
+    books: Rec = field(default_factory=dict)  # the native manager's ledger, per tenant
 
 
 def _names(mgr: AsyncKVManager, reqs: dict[str, Request]) -> dict[str, list[str]]:
@@ -524,7 +554,7 @@ async def run_native(config_file: str, p: Plan, trace: VllmTrace, recorder: Reco
         await mgr.drain()
         if held:
             notes.append({"what": "still held at the end", "reqs": sorted(held)})
-        return NativeRun(claims, notes, _names(mgr, reqs), outcomes)
+        return NativeRun(claims, notes, _names(mgr, reqs), outcomes, book_of(mgr.offloads))
 
 
 # ----------------------------------------------------------------------------- a run
@@ -584,9 +614,10 @@ def run(name: str, workdir: str) -> Rec:
     warm = {r["key"] for r in recs["warm"].puts}
     sides = {
         "vllm": {"claims": trace.claims, "stores": recs["vllm"].puts,
-                 "loads": recs["vllm"].gets},
+                 "loads": recs["vllm"].gets, "books": trace.books},
         "native": {"claims": native.claims, "stores": recs["native"].puts,
-                   "loads": recs["native"].gets, "schedule": native.schedule},
+                   "loads": recs["native"].gets, "schedule": native.schedule,
+                   "books": native.books},
     }
     return {
         "run": name, "layout": layout, "steps": trace.steps,
@@ -598,6 +629,7 @@ def run(name: str, workdir: str) -> Rec:
         "redundant_stores": {side: [label(r) for r in redundant(recs[side].puts, warm)]
                              for side in ("vllm", "native")},
         "native_load_outcomes": native.load_outcomes,
+        "books": {"vllm": trace.books, "native": native.books},
         "seconds": round(time.perf_counter() - started, 2),
     }
 

@@ -93,22 +93,26 @@ def round_two(first: list[list[int]], answers: list[list[int]]) -> list[list[int
 
 
 # ------------------------------------------------------------------------------ engine
-def kv_config(workdir: Path, name: str, *, disk: Path | None, redis_url: str | None) -> str:
+def kv_config(workdir: Path, name: str, *, disk: Path | None, redis_url: str | None,
+              memory: bool = True, tenants: dict[str, Any] | None = None) -> str:
     import yaml
 
     path = workdir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
+    cfg: dict[str, Any] = {
         "model": {"name": "kvplugin/engine-test"},
-        "offload": {"chunk_size": BS, "local_cpu": True, "max_local_cpu_size": 0.25,
+        "offload": {"chunk_size": BS, "local_cpu": memory, "max_local_cpu_size": 0.25,
                     "local_disk": str(disk) if disk else None, "remote_url": redis_url,
                     "lookup_timeout_ms": 2000, "load_timeout_ms": 10000,
-                    "store_timeout_ms": 10000}}))
+                    "store_timeout_ms": 10000}}
+    if tenants is not None:
+        cfg["tenants"] = tenants
+    path.write_text(yaml.safe_dump(cfg))
     return str(path)
 
 
-def transfer_config(config_file: str) -> dict[str, Any]:
+def transfer_config(config_file: str, kv_role: str = "kv_both") -> dict[str, Any]:
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": "kvplugin.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": config_file}}
+            "kv_role": kv_role, "kv_connector_extra_config": {"config_file": config_file}}
 
 
 def engine_args(model: Path, kind: str) -> dict[str, Any]:
@@ -119,12 +123,17 @@ def engine_args(model: Path, kind: str) -> dict[str, Any]:
 
 
 def counters(metrics: list[Any]) -> dict[str, float]:
-    """kvplugin's counters as vLLM exported them (``vllm:kvplugin_*``)."""
+    """kvplugin's figures as vLLM exported them (``vllm:kvplugin_*``): each summed over its
+    labels under its name, and each labelled value under ``name{tenant=..,tier=..}``."""
     out: dict[str, float] = {}
     for m in metrics:
         if m.name.startswith("vllm:kvplugin_") and hasattr(m, "value"):
             key = m.name.removeprefix("vllm:kvplugin_").removesuffix("_total")
             out[key] = out.get(key, 0) + m.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+                              if k in ("tenant", "tier"))
+            if labels:
+                out[f"{key}{{{labels}}}"] = out.get(f"{key}{{{labels}}}", 0) + m.value
     return out
 
 
@@ -145,14 +154,16 @@ def _engine_processes(separate: bool) -> dict[str, Any]:
 
 
 def generate(model: Path, kind: str, rounds: list[Round], config_file: str | None, *,
-             separate: bool = False) -> dict[str, Any]:
+             separate: bool = False, kv_role: str = "kv_both",
+             watch: Callable[[dict[str, float]], None] | None = None) -> dict[str, Any]:
     """One engine's life: each round is one ``generate`` call; a callable round builds its
-    prompts from the answers so far (the reference's follow-ups)."""
+    prompts from the answers so far (the reference's follow-ups). ``watch``: called with
+    kvplugin's figures after every round."""
     from vllm import LLM, SamplingParams
 
     kw: dict[str, Any] = {**engine_args(model, kind), **_engine_processes(separate)}
     if config_file is not None:
-        kw["kv_transfer_config"] = transfer_config(config_file)
+        kw["kv_transfer_config"] = transfer_config(config_file, kv_role)
     t = time.monotonic()
     llm = LLM(**kw)
     start_s = time.monotonic() - t
@@ -163,6 +174,9 @@ def generate(model: Path, kind: str, rounds: list[Round], config_file: str | Non
         for o in llm.generate(prompts, sp, use_tqdm=False):
             outs.append(list(o.outputs[0].token_ids))
             cached.append(int(o.num_cached_tokens or 0))
+        if watch is not None:
+            time.sleep(0.3)  # the round's last stats reach the scheduler with an output
+            watch(counters(llm.get_metrics()))
     time.sleep(0.5)  # the last step's stats reach the scheduler with the next output
     stats = counters(llm.get_metrics())
     llm.llm_engine.engine_core.shutdown()
@@ -308,9 +322,15 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
         time.sleep(1.0)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        metrics = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
-                   for line in text.splitlines()
-                   if line.startswith("vllm:kvplugin_") and "_created" not in line}
+        metrics: dict[str, float] = {}
+        for line in text.splitlines():  # per name summed over labels, and per tenant
+            if line.startswith("vllm:kvplugin_") and "_created" not in line:
+                name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+                metrics[name] = metrics.get(name, 0.0) + value
+                if 'tenant="' in line:
+                    tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+                    k = f"{name}{{tenant={tenant}}}"
+                    metrics[k] = metrics.get(k, 0.0) + value
     finally:
         proc.terminate()
         try:
@@ -319,6 +339,90 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
             proc.kill()
         log.close()
     return {"scenario": "serve", "runs": runs, "metrics": metrics}
+
+
+CHUNK_BYTES = 2 * 2 * 2 * 32 * BS * 4  # llama: layers x (K, V) x kv heads x head x tokens x 4
+QUOTA = 8 * CHUNK_BYTES  # tenant a's disk quota: a quarter of its working set
+
+
+class _Lines:
+    """kvplugin's WARNING lines in this process (the uniprocess executor's connectors)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.lines: list[str] = []
+        lines = self.lines
+
+        class _H(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                lines.append(record.getMessage())
+
+        self._handler = _H(logging.WARNING)
+        logging.getLogger("kvplugin").addHandler(self._handler)
+
+    def close(self) -> None:
+        import logging
+
+        logging.getLogger("kvplugin").removeHandler(self._handler)
+
+
+def tenancy_scenario(workdir: Path) -> dict[str, Any]:
+    """Two tenants (``cache_salt``) on one disk tier; tenant a's disk quota holds a quarter
+    of its working set. After every round: the bytes of a's objects the tier holds (the
+    ``tier_bytes_held`` gauge). Then a disk tier with a dead Redis beside it."""
+    model = workdir / "model-llama-tenancy"
+    make_model("llama", model)
+    first = round_one()
+    tenants = {"declared": {"a": {"max_tier_bytes": {"disk": QUOTA}}, "b": {}}}
+    cfg = kv_config(workdir, "tenancy", disk=workdir / "disk-tenancy", redis_url=None,
+                    memory=False, tenants=tenants)
+    held: list[float] = []
+    rounds: list[Round] = [[{"prompt_token_ids": p, "cache_salt": t} for t in ("a", "b")]
+                           for p in first]
+    quota = generate(model, "llama", rounds, cfg,
+                     watch=lambda c: held.append(c.get("tier_bytes_held{tenant=a,tier=disk}",
+                                                       0.0)))
+    dead_cfg = kv_config(workdir, "dead-beside", disk=workdir / "disk-dead", memory=False,
+                         redis_url=f"redis://127.0.0.1:{_free_port()}/0")
+    lines = _Lines()
+    try:
+        dead = generate(model, "llama", [[{"prompt_token_ids": p} for p in first]], dead_cfg)
+    finally:
+        lines.close()
+    return {"scenario": "tenancy", "quota": quota, "held_a": held, "quota_bytes": QUOTA,
+            "dead": dead, "dead_lines": lines.lines}
+
+
+def roles_scenario(workdir: Path) -> dict[str, Any]:
+    """A ``kv_producer`` engine and a ``kv_consumer`` engine on one tier (disk, then Redis
+    on a server started here): the producer serves round one, the consumer (a fresh
+    engine) the same prompts; then the producer again, on the populated tier."""
+    from kvplugin.connectors.faults import LocalRedisServer
+
+    model = workdir / "model-llama-roles"
+    make_model("llama", model)
+    p1 = [{"prompt_token_ids": p} for p in round_one()]
+    out: dict[str, Any] = {"scenario": "roles",
+                           "reference": generate(model, "llama", [p1], None)}
+    server = LocalRedisServer(str(workdir / "redis-roles"))
+    tiers = ["disk"]
+    if LocalRedisServer.available():  # the test fails under KVPLUGIN_REQUIRE_REDIS=1 without
+        server.start()
+        tiers.append("redis")
+    try:
+        for tier in tiers:
+            cfg = kv_config(workdir, f"roles-{tier}", memory=False,
+                            disk=workdir / "disk-roles" if tier == "disk" else None,
+                            redis_url=server.url if tier == "redis" else None)
+            out[tier] = {role: generate(model, "llama", [p1], cfg, kv_role=f"kv_{role}")
+                         for role in ("producer", "consumer")}
+            out[tier]["producer_again"] = generate(model, "llama", [p1], cfg,
+                                                   kv_role="kv_producer")
+    finally:
+        if len(tiers) > 1:
+            server.stop()
+    return out
 
 
 def asyncllm_scenario(workdir: Path) -> dict[str, Any]:
@@ -360,7 +464,8 @@ def asyncllm_scenario(workdir: Path) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     workdir = Path(argv[0])
     special = {"redis": redis_scenario, "serve": serve_scenario,
-               "asyncllm": asyncllm_scenario}
+               "asyncllm": asyncllm_scenario, "tenancy": tenancy_scenario,
+               "roles": roles_scenario}
     for name in argv[1:]:
         fn = special.get(name)
         rec = fn(workdir) if fn is not None else model_scenario(workdir, name)

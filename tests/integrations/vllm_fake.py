@@ -80,7 +80,9 @@ def native_groups(layout: str) -> list[dict[str, Any]]:
 
 def write_config(workdir: str, *, disk: bool, remote_url: str | None,
                  faults: dict[str, Any] | None = None, layout: str = "full",
-                 events: bool = False, disk_gb: float | None = None) -> str:
+                 events: bool = False, disk_gb: float | None = None,
+                 more: dict[str, Any] | None = None) -> str:
+    """A deployment config; ``more``: sections merged in (``offload`` key by key)."""
     del events  # the connector follows vLLM's kv_events_config
     lay: dict[str, Any] = {
         # The native manager hashes as this vLLM does: sha256, NONE_HASH from PYTHONHASHSEED
@@ -102,6 +104,11 @@ def write_config(workdir: str, *, disk: bool, remote_url: str | None,
         cfg["offload"]["max_local_disk_size"] = disk_gb
     if faults:
         cfg["faults"] = faults
+    for section, value in (more or {}).items():
+        if section == "offload":
+            cfg["offload"].update(value)
+        else:
+            cfg[section] = value
     path = os.path.join(workdir, "kvplugin.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -141,7 +148,7 @@ def kv_groups(layout: str) -> list[Any]:
 
 def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
           layout: str = "full", events: bool = False, connector: bool = True,
-          divergent: bool = True) -> Any:
+          divergent: bool = True, kv_role: str = "kv_both") -> Any:
     """vLLM's Scheduler with the connector loaded through its factory (``connector``
     False: no KV connector at all, vLLM alone; ``divergent`` False: the connector does
     not take divergent local hybrid hits), the block hasher, the config and the
@@ -185,7 +192,7 @@ def build(workdir: str, config_file: str, num_blocks: int, async_loads: bool,
         model_config=model_config, cache_config=cache, device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVPluginConnector",
-            kv_connector_module_path="kvplugin.integrations.vllm", kv_role="kv_both",
+            kv_connector_module_path="kvplugin.integrations.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
         if connector else None,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -306,6 +313,8 @@ class Runner:
         self.preempted: set[str] = set()
         self.saved_pieces: dict[int, int] = {}  # per group: chunks / states stored
         self.saved_objects: set[tuple[int, str]] = set()  # (group, key): distinct objects
+        self.saved_by_req: dict[str, set[str]] = {}  # request -> key ids it stored
+        self.after_step: Any = None  # hook(): called after each step's output
         self.computed: dict[str, int] = {}  # per request: tokens the forward computed
         self.states_checked = 0
         self.state_mismatches = 0
@@ -461,6 +470,7 @@ class Runner:
             for p in spec.pieces:
                 self.saved_pieces[p.group] = self.saved_pieces.get(p.group, 0) + 1
                 self.saved_objects.add((p.group, p.key.id))
+                self.saved_by_req.setdefault(spec.req_id, set()).add(p.key.id)
         self.w.wait_for_save()
         res = self.w.get_transfer_results(set(so.finished_req_ids))
         invalid = self.w.get_block_ids_with_load_errors()
@@ -468,6 +478,7 @@ class Runner:
         stats = self.w.get_kv_connector_stats()
         for k, v in (stats.data if stats is not None else {}).items():
             self.worker_stats[k] = self.worker_stats.get(k, 0) + v
+        worker_meta = self.w.build_connector_worker_meta()  # in vLLM's order: after stats
         self.invalid_total |= invalid
         self.failed_total |= res.failed_recving
         for spec in meta.loads:
@@ -480,7 +491,7 @@ class Runner:
             finished_sending=res.finished_sending or None,
             finished_recving=res.finished_recving or None,
             failed_recving=res.failed_recving, invalid_block_ids=invalid,
-            kv_cache_events=events))
+            kv_cache_events=events, kv_connector_worker_meta=worker_meta))
 
     def _device_ops(self, so: Any) -> None:
         """What the model runner does to the KV cache before the forward: zero new blocks,

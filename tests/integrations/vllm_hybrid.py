@@ -74,7 +74,8 @@ def _diverge_run(workdir: str, name: str, divergent: bool) -> dict[str, Any]:
             {"id": "f", "prompt": prompt(10, filler), "arrival": 20, "max_tokens": 2}])
         if name == "mamba_diverge":
             rt = runner.w._rt  # the worker owns the tiers
-            keys = conn._keys.chunk_keys("default", 0, _hashes(runner, shared), 0, 4)
+            keyspace = conn.scheduler_side.ledger.keyspace
+            keys = keyspace.chunk_keys("default", 0, _hashes(runner, shared), 0, 4)
             rt.loop.call(rt.connector.delete(keys, timeout=5))
         seen = _spy(scheduler, conn, "b")
         loads_before = len(runner.loads)

@@ -69,6 +69,8 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
         if not so.total_num_scheduled_tokens:
             time.sleep(0.005)  # an idle engine polls its transfers; stores take real time
         out = scheduler.update_from_output(so, runner.step(so))
+        if runner.after_step is not None:
+            runner.after_step()
         for outs in out.values():
             finished += [o.request_id for o in outs.outputs if o.finish_reason is not None]
         for w in workload:
@@ -88,7 +90,23 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
                               for g in sorted(runner.saved_pieces)},
             "states_checked": runner.states_checked,
             "state_mismatches": runner.state_mismatches, "computed": dict(runner.computed),
-            "worker_stats": dict(runner.worker_stats)}
+            "worker_stats": dict(runner.worker_stats), **books(scheduler)}
+
+
+def books(scheduler: Any) -> dict[str, Any]:
+    """The scheduler connector's offload ledger: per-tenant counters, bytes held per
+    tenant and tier, and what is still open (plans, bytes in flight)."""
+    import dataclasses
+
+    conn = scheduler.get_kv_connector()
+    if conn is None:
+        return {}
+    side = conn.scheduler_side
+    ledger = side.ledger
+    held = ledger.holdings.by_tenant_tier() if ledger.holdings is not None else {}
+    return {"books": {t: dataclasses.asdict(c) for t, c in sorted(ledger.tenants().items())},
+            "held": {f"{t}|{tier}": n for (t, tier), n in sorted(held.items())},
+            "open_plans": len(side._plans), "bytes_in_flight": ledger.bytes_in_flight}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -155,6 +173,8 @@ SCENARIOS: dict[str, tuple[str, str, str, bool, int]] = {
 
 # Scenarios of vllm_hybrid.py: divergent local hybrid hits, the Mamba preemption stall.
 HYBRID = ("mamba_diverge", "mamba_diverge_exact", "mamba_preempt_alone")
+# Scenarios of vllm_tenancy.py: tenants' tier quotas, deduplication, kv_role, a dead tier.
+TENANCY = ("tenant_quota", "dedup", "producer", "consumer", "dead_beside")
 
 
 def workload_of(name: str) -> list[dict[str, Any]]:
@@ -355,6 +375,10 @@ def scenario(name: str, workdir: str, redis_url: str | None) -> dict[str, Any]:
         import vllm_hybrid
 
         return vllm_hybrid.SCENARIOS[name](workdir, name)
+    if name in TENANCY:
+        import vllm_tenancy
+
+        return vllm_tenancy.SCENARIOS[name](workdir, redis_url)
     if name in ("native", "native_swa", "native_mamba", "native_mla", "native_local"):
         return native_scenario(workdir, name)
     if name == "mamba_tail":
@@ -455,7 +479,7 @@ def router_check(batches: list[Any], worker: Any) -> dict[str, Any]:
         elif isinstance(e, BlockRemoved):
             blocks.difference_update(e.block_hashes)
             counts["removed"] += 1
-    view = worker._w.view
+    view = worker.worker_side._w.view
     truth: dict[str, set[Any]] = {}
     for tier in connector_tiers(worker._rt.connector):
         held = tier.objects()
@@ -490,7 +514,7 @@ def event_summary(batches: list[Any]) -> dict[str, Any]:
 
 def engine(workdir: str, config_file: str, num_blocks: int, async_loads: bool = False,
            layout: str = "full", events: bool = False, connector: bool = True,
-           divergent: bool = True) -> tuple[Any, Runner]:
+           divergent: bool = True, kv_role: str = "kv_both") -> tuple[Any, Runner]:
     """vLLM's Scheduler (its connector built by vLLM's factory; none when ``connector``
     is False) and a runner with the connector's worker side."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -498,7 +522,8 @@ def engine(workdir: str, config_file: str, num_blocks: int, async_loads: bool = 
     from kvplugin.integrations.vllm import KVPluginConnector
 
     scheduler, hasher, vllm_config, kvc = build(workdir, config_file, num_blocks, async_loads,
-                                                layout, events, connector, divergent)
+                                                layout, events, connector, divergent,
+                                                kv_role)
     worker = KVPluginConnector(vllm_config, KVConnectorRole.WORKER, kvc) if connector else None
     runner = Runner(scheduler, worker, kvc, layout)
     runner.hasher = hasher
