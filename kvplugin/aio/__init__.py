@@ -4,6 +4,8 @@
 * :mod:`kvplugin.aio.admission` — lookups and admissions (claims, loads to start)
 * :mod:`kvplugin.aio.offload_ledger` — the synchronous offload core both integrations
   execute: store cursors, plans, the byte budget, tier quotas, every offload counter
+* :mod:`kvplugin.aio.offload_types` — its values: requests, store and load plans (tuples
+  of objects with a state), results, tier quotas, per-tenant counters
 * :mod:`kvplugin.aio.plans` — pure offload decisions (hybrid reconciliation: what to claim,
   load, store; which Mamba states make a complete checkpoint)
 * :mod:`kvplugin.aio.probe` — the tier lookup behind a claim, within one deadline

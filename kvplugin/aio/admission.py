@@ -175,7 +175,7 @@ class Admissions:
         total = claim.local + claim.external
         req.num_computed_tokens = total  # optimistic during a load, as in vLLM
         self._core.record_prefix_cache_stats(req, claim.local)
-        self._ledger.admitted(st.offload, total, claim.stored_until)
+        self._ledger.admit(st.offload, total, claim.stored_until)
         by_tier = self._count_hits(st, claim, lookup)
         if loads:
             # A claim of tier tokens comes from a lookup of a manager with a connector.
@@ -206,14 +206,14 @@ class Admissions:
         req = st.req
         end, prompt = claim.local + claim.external, req.num_prompt_tokens
         if not claim.external or lookup is None:
-            self._ledger.booked_hits(st.tenant, queried_tokens=req.num_tokens,
-                                      local=claim.local, external=0, by_tier={})
+            self._ledger.book_query(st.tenant, queried_tokens=req.num_tokens,
+                                    local=claim.local, external=0, by_tier={})
             st.ledger.admitted(min(claim.local, prompt), {}, end, claim.loads)
             return {}
         state_level = next((lv for b, lv in lookup.states if b == claim.state_at), None)
         out = plans.tokens_by_tier(self._layout, self._tiers, lookup.first, lookup.levels,
                                    claim.local, end, state_level)
-        self._ledger.booked_hits(st.tenant, queried_tokens=req.num_tokens, local=claim.local,
+        self._ledger.book_query(st.tenant, queried_tokens=req.num_tokens, local=claim.local,
                                   external=claim.external, by_tier=out)
         booked = out if end <= prompt else plans.tokens_by_tier(
             self._layout, self._tiers, lookup.first, lookup.levels, claim.local, prompt,

@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvplugin.aio.offload_ledger import StorePlan
+from kvplugin.aio.offload_ledger import LoadPlan, StorePlan
 from kvplugin.aio.plans import ChunkLoad, StateLoad
 from kvplugin.connectors.base import Connector, ConnectorError, Deadline, PutItem
 from kvplugin.connectors.keys import ObjectKey
@@ -205,6 +205,8 @@ class LoadJob:
     abandoned: bool = False  # the request went away: apply nothing, only release
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     ended: JobEnd | None = None
+    ledger_plan: LoadPlan | None = field(default=None, repr=False)  # the ledger's plan
+    copied: list[tuple[str, int, bool]] = field(default_factory=list)  # (tier, bytes, state)
 
 
 @dataclass(eq=False, slots=True)

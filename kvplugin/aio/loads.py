@@ -18,7 +18,7 @@ from kvplugin.aio.jobs import JobEnd, LoadJob, Priority, connector_tiers, run_lo
 from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.objects import ObjectSpec, Refusal, chunk_spec, state_spec
-from kvplugin.aio.offload_ledger import LoadReport
+from kvplugin.aio.offload_ledger import LoadResult
 from kvplugin.aio.plans import Claim
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import JobContext, JobSide
@@ -50,8 +50,9 @@ class Loads(JobSide):
         started = time.perf_counter()
         req = st.req
         start, end = claim.local, claim.local + claim.external
-        lp = self._ledger.load_plan(st.offload, req, self._core.get_block_ids(req.request_id),
-                                    start, end, claim.state_at)
+        lp = self._ledger.prepare_load(st.offload, req,
+                                       self._core.get_block_ids(req.request_id), start, end,
+                                       claim.state_at)
         if lp.lands_on_null:
             raise AssertionError(f"the core left a null block where {req.request_id}'s "
                                  "load lands: the load plan disagrees with the allocation")
@@ -61,11 +62,11 @@ class Loads(JobSide):
                       [list(ids) for ids in lp.dst], owner=st, states=states,
                       levels=levels, tier=self._tiers[max(levels, default=0)],
                       first=tuple(lookup.first), found=tuple(lookup.levels),
-                      state_level=levels[-1] if states else None, started=started)
+                      state_level=levels[-1] if states else None, started=started,
+                      ledger_plan=lp)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         st.load = job
         st.loaded = asyncio.Event()
-        self._ledger.load_started(st.offload)
         coro = run_load(job, self._connector, self._gate, self._config.load_timeout,
                         self._apply, self._end)
         start_job(job, coro, f"kv-load-{req.request_id}", self._end)
@@ -134,7 +135,7 @@ class Loads(JobSide):
             job.states, job.keys[k:], blocks[k:], strict=True)]
         good = plans.resume_point(self._layout, job.plan, ok, states_ok, job.start, job.end)
         await self._copy_in(st, job, blocks, good)
-        self._ledger.load_completed(st.offload, LoadReport(claimed=job.end, verified=good))
+        self._complete(job, LoadResult(verified=good, copied=tuple(job.copied)))
         if good < job.end:
             self._ledger.rewind(st.offload, good)
         if good == job.end:
@@ -196,7 +197,7 @@ class Loads(JobSide):
                        good: int) -> None:
         """Copy the verified part in, one chunk per loop callback (a 10 MiB load copied in
         one go held the loop, and the engine's next wake-up, ~8 ms here), each piece
-        reported to the ledger as it lands."""
+        reported to the ledger when the load ends (``job.copied``)."""
         k = len(job.plan)
         copied = 0
         for load, dst, block, level in zip(job.plan, job.dst[:k], blocks[:k],
@@ -212,15 +213,18 @@ class Loads(JobSide):
             raw = memoryview(block.payload).cast("B")
             self._memory.copy_in(load.group, dst[:n],
                                 raw[load.skip * width:(load.skip + n) * width])
-            self._ledger.copied_in(st.offload, self._tiers[level], n * width, state=False)
+            job.copied.append((self._tiers[level], n * width, False))
         if good != job.end:
             return  # a state is valid at the claimed boundary only
         for state, dst, block, level in zip(job.states, job.dst[k:], blocks[k:],
                                             job.levels[k:], strict=True):
             assert block is not None  # verified above
             self._memory.copy_in(state.group, dst, block.payload)
-            self._ledger.copied_in(st.offload, self._tiers[level],
-                                   self._memory.page_bytes(state.group), state=True)
+            job.copied.append((self._tiers[level], self._memory.page_bytes(state.group), True))
+
+    def _complete(self, job: LoadJob, result: LoadResult) -> None:
+        if job.ledger_plan is not None:
+            self._ledger.complete_load(job.ledger_plan, result)
 
     def _end(self, job: LoadJob) -> None:
         """Always runs last: a load that ended without a result (cancelled, or a bug) puts
@@ -236,9 +240,8 @@ class Loads(JobSide):
             st.load = None
         if job.ended is JobEnd.CANCELLED or st.outcome is None:
             # Its bytes were never applied: cancelled (or it crashed), nothing verified.
-            self._ledger.load_completed(st.offload, LoadReport(
-                claimed=job.end, cancelled=job.ended is JobEnd.CANCELLED,
-                abandoned=job.abandoned))
+            self._complete(job, LoadResult(cancelled=job.ended is JobEnd.CANCELLED,
+                                           abandoned=job.abandoned, copied=tuple(job.copied)))
         if not job.abandoned and st.outcome is None:
             # Cancelled (or crashed) before its bytes were applied: nothing is verified.
             if job.ended is JobEnd.CANCELLED:

@@ -68,7 +68,7 @@ from kvplugin.aio.ledger import TokenLedger
 from kvplugin.aio.loadcost import LoadCosts
 from kvplugin.aio.loads import Loads
 from kvplugin.aio.memory import GroupShape, HostKVMemory, layout_of, shape_of_group
-from kvplugin.aio.offload_ledger import OffloadLedger
+from kvplugin.aio.offload_ledger import OffloadLedger, TierQuotas
 from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, JobContext, Stores
@@ -149,13 +149,17 @@ class AsyncKVManager:
         self._stats = OffloadStats()
         self.ledger = TokenLedger(self.tiers)  # finished requests' prompt tokens, by source
         policy = tenants if tenants is not None else TenantPolicy()
+        # Tiers whose events report every object they hold: quotas count bytes held there.
+        reporting = [] if connector is None else [
+            name for name, t in zip(self.tiers, connector_tiers(connector), strict=True)
+            if t.reports_objects]
         # What to store, the budget, tier quotas and every offload counter (global and per
         # tenant): one synchronous state machine this manager executes.
         self.offloads = OffloadLedger(
             self.layout, self.keyspace, page_bytes=[s.page_bytes for s in shapes],
             tiers=self.tiers, store_budget_bytes=config.store_budget_bytes,
-            store_prompt_only=config.store_prompt_only,
-            tier_quota=lambda t: policy.quota(t).max_tier_bytes, stats=self._stats)
+            store_prompt_only=config.store_prompt_only, quotas=TierQuotas.of_policy(policy),
+            reporting=reporting, stats=self._stats)
         self.tenants = Tenants(policy, core=core, keyspace=self.keyspace, layout=self.layout,
                                hasher=self.hasher, tiers=self.tiers, ledger=self.offloads)
         self._jobs = RunningJobs()
@@ -171,17 +175,14 @@ class AsyncKVManager:
         if connector is not None:
             if config.tier_events:
                 self.tier_events = TierEventView()
-            reporting = [name for name, t in zip(self.tiers, connector_tiers(connector),
-                                                 strict=True) if t.reports_objects]
-            if self.offloads.count_held(reporting, self._pump_tier_events,
-                                        self.tenants.tier_quotas()) \
-                    or self.tier_events is not None:
+            if self.offloads.holdings is not None or self.tier_events is not None:
                 connector.watch_events()
             ctx = JobContext(
                 core=core, connector=connector, tiers=self.tiers, config=config,
                 memory=memory, layout=self.layout, keyspace=self.keyspace, gate=self._gate,
                 stats=self._stats, jobs=self._jobs, holds=self._holds, latency=self._latency,
-                ledger=self.offloads, events=self.tier_events)
+                ledger=self.offloads, events=self.tier_events,
+                tier_events=self.apply_tier_events)
             self._loads = Loads(ctx, costs=self.load_costs)
             self._stores = Stores(ctx)
         self._admissions = Admissions(
@@ -369,6 +370,7 @@ class AsyncKVManager:
                 tails = [StateOffer(*t) for t in self.core.finalize_partial_tail_offloads(req)]
             self._stores.offer(st, (), tails)
         del self._requests[req.request_id]
+        self.offloads.close(st.offload)
         self.ledger.close(st.tenant, st.ledger, req.num_computed_tokens, req.num_prompt_tokens)
         self.tenants.finished(st)
         st.finished = True
@@ -439,7 +441,8 @@ class AsyncKVManager:
         return bool(self._jobs)
 
     def stats(self) -> OffloadStats:
-        return self._stats.copy()
+        # The offload ledger's snapshot: the totals of its per-tenant counters filled in.
+        return self.offloads.stats
 
     def residency(self) -> Residency | None:
         """Block residency histograms when the core samples blocks (its
@@ -468,19 +471,19 @@ class AsyncKVManager:
         cannot learn). One stream for a subscriber (``kvplugin.publisher`` sends it on ZMQ)."""
         events = self.core.take_events()
         if self.tier_events is not None and self.connector is not None:
-            self._pump_tier_events()
+            self.apply_tier_events()
             backlog, self._tier_backlog = self._tier_backlog, []
             events += self.tier_events.apply(backlog)
         return events
 
-    def _pump_tier_events(self) -> None:
+    def apply_tier_events(self) -> None:
         """The tiers' events, taken once, to both who read them: the tenants' held bytes
         now, the KV-event view (tier events on) at the next take_events."""
         if self.connector is None:
             return
         got = self.connector.take_events()
         if got:
-            self.offloads.tier_events(got)
+            self.offloads.apply_tier_events(got)
             if self.tier_events is not None:
                 self._tier_backlog.extend(got)
 

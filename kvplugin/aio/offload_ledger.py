@@ -1,195 +1,81 @@
-"""The offload ledger: one synchronous state machine of what to store, what was stored and
-whom it is charged to, executed by both integrations.
+"""The offload ledger: one synchronous state machine of what to store and load, what was
+stored and loaded, and whom it is charged to, executed by both integrations.
 
-No asyncio, no I/O, no core objects. An executor (the native
-:class:`~kvplugin.aio.manager.AsyncKVManager`, the vLLM
-:class:`~kvplugin.integrations.vllm.KVPluginConnector`) tells the ledger what happened to a
-request (opened, admitted with a hit, computed up to N, a load ended) and asks it what to
-store; the ledger answers with a :class:`StorePlan` (objects, keys, blocks), the executor
-runs the I/O and reports back (:meth:`OffloadLedger.store_completed`,
-:meth:`OffloadLedger.load_completed`). Every cursor, hole, budget byte, tier quota and
-counter (global and per tenant) changes here, from the event itself; nothing is inferred by
-watching another module.
+No asyncio, no I/O, no core objects, no callbacks into an executor: what a decision needs
+(the request's blocks, offered states no longer held, tier quotas, the tiers' events) comes
+in as data. An executor (the native :class:`~kvplugin.aio.manager.AsyncKVManager`, the
+vLLM connector's scheduler half) drives it with a few verbs, in the vocabulary of vLLM's
+``OffloadingManager``:
+
+* :meth:`~OffloadLedger.open` / :meth:`~OffloadLedger.close` a request;
+  :meth:`~OffloadLedger.admit` its hit (and :meth:`~OffloadLedger.book_query` the
+  query's hits); :meth:`~OffloadLedger.rewind` it when tokens were taken back;
+* :meth:`~OffloadLedger.prepare_store` -> :class:`StorePlan` or None, run by the executor,
+  then :meth:`~OffloadLedger.complete_store` with its :class:`StoreResult`;
+* :meth:`~OffloadLedger.prepare_load` -> :class:`LoadPlan`, then
+  :meth:`~OffloadLedger.complete_load` with its :class:`LoadResult`;
+* :meth:`~OffloadLedger.apply_tier_events` (the tiers' stored / removed objects).
+
+Every plan has a state (:class:`PlanState`); completing one twice, or one this ledger did
+not prepare, raises :class:`PlanError` before anything changes. Every cursor, hole, budget
+byte, tier quota and counter (global and per tenant) changes here, from the event itself.
 
 Per request (:class:`OffloadRequest`): each chunked group's store cursor (the first chunk
 not yet offered), ``known_until`` (states at or below the admitted hit came with it) and the
 ``hole`` (the first token of a chunk that could not be stored: no state past it is a
 complete checkpoint). The decisions themselves are :mod:`kvplugin.aio.plans`'.
 
-A *tracked* ledger (``store_budget_bytes`` set: the native manager, which hears every
-store's end) keeps the registry of objects being stored (a second request's store of the
-same object is deduplicated) and the in-flight byte budget (a store over it is shed).
-An untracked one (the vLLM scheduler: vLLM reports the end of a running request's stores
-to no one) decides the same objects without either.
+A *tracked* ledger (``store_budget_bytes`` set; both executors report every store's end)
+keeps the registry of objects being stored (a second request's store of the same object is
+deduplicated) and the in-flight byte budget (a store over it is shed). An untracked one
+decides the same objects without either.
 
-Tenant tier byte quotas count bytes *held* (:mod:`kvplugin.aio.holdings`) on tiers that
-report their objects' events, bytes written elsewhere.
+Tenant tier byte quotas (:class:`TierQuotas`) count bytes *held* (:mod:`kvplugin.aio.
+holdings`) on the ``reporting`` tiers (their events complete), bytes written elsewhere;
+before a store of a tenant with a quota the executor applies the tiers' events so far
+(:meth:`~OffloadLedger.needs_tier_events`).
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvplugin.aio import plans
 from kvplugin.aio.holdings import TierHoldings
 from kvplugin.aio.keys import KeyScope, KeySpace
+from kvplugin.aio.offload_types import (
+    NO_HOLE,
+    LoadObject,
+    LoadPlan,
+    LoadResult,
+    OffloadRequest,
+    PlanError,
+    PlanState,
+    RequestView,
+    StoreObject,
+    StorePlan,
+    StoreResult,
+    TenantCounters,
+    TierQuotas,
+)
 from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.values import OffloadStats
 from kvplugin.connectors.events import TierEvent
-from kvplugin.connectors.keys import ObjectKey
 
-__all__ = ["NO_HOLE", "LoadPlan", "LoadReport", "OffloadLedger", "OffloadRequest", "PlanError",
-           "PlanState", "RequestView", "StoreObject", "StorePlan", "TenantCounters"]
+NO_QUOTAS = TierQuotas()
 
-NO_HOLE = 1 << 62  # "every chunk offered so far was stored"
-
-
-class PlanError(RuntimeError):
-    """An illegal transition of a plan (completed twice, not this ledger's): raised before
-    anything changed, so the books stay as they were."""
+__all__ = ["NO_HOLE", "NO_QUOTAS", "LoadObject", "LoadPlan", "LoadResult", "OffloadLedger",
+           "OffloadRequest", "PlanError", "PlanState", "RequestView", "StoreObject",
+           "StorePlan", "StoreResult", "TenantCounters", "TierQuotas"]
 
 
-class PlanState(enum.Enum):
-    OPEN = "open"  # prepared, its I/O not reported yet
-    DONE = "done"
-    FAILED = "failed"
-
-
-class RequestView(Protocol):
-    """What the ledger reads of a request: the native core's ``Request`` and vLLM's both
-    have these."""
-
-    @property
-    def block_hashes(self) -> Sequence[bytes]: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-
-@dataclass(eq=False, slots=True)
-class OffloadRequest:
-    """One live request's offload state."""
-
-    request_id: str
-    tenant: str
-    scope: KeyScope | str  # whose namespace its objects are keyed in
-    next_chunk: list[int]  # per group, the first chunk not yet offered for storing
-    known_until: int = 0  # states at or below this came with the hit: not its to store
-    hole: int = NO_HOLE
-    keys: list[list[ObjectKey]] = field(default_factory=list)  # per group, chunks 0..
-    stores: set[StorePlan] = field(default_factory=set)  # tracked plans in flight
-
-    def chunk_keys(self, keyspace: KeySpace, block_hashes: Sequence[bytes], group: int,
-                   first: int, stop: int) -> list[ObjectKey]:
-        """Keys of the group's chunks ``[first, stop)``, derived once per request."""
-        have = self.keys[group]
-        if stop > len(have):
-            have.extend(keyspace.chunk_keys(self.scope, group, block_hashes, len(have), stop))
-        return have[first:stop]
-
-
-@dataclass(frozen=True, slots=True)
-class StoreObject:
-    """One object of a plan: chunk ``index`` of ``group`` in ``block_ids``, or (``state``)
-    the group's state at boundary ``index`` in its one block."""
-
-    group: int
-    index: int
-    key: ObjectKey
-    block_ids: tuple[int, ...]
-    nbytes: int
-    state: bool = False
-    tail: bool = False  # a finish-time partial tail
-
-
-@dataclass(eq=False, slots=True)
-class StorePlan:
-    """What one offer stores, as one job: attention chunks first, then the states they
-    make restorable (a state at N is a checkpoint only with every chunk before N)."""
-
-    request: OffloadRequest
-    objects: tuple[StoreObject, ...]
-    chunk_tokens: tuple[int, ...]  # per group (the layout's)
-    tracked: bool
-    nbytes: int = 0
-    key_ids: frozenset[str] = frozenset()
-    state: PlanState = PlanState.OPEN
-
-    def __post_init__(self) -> None:
-        self.nbytes = sum(o.nbytes for o in self.objects)
-        self.key_ids = frozenset(o.key.id for o in self.objects)
-
-    @property
-    def states(self) -> tuple[StoreObject, ...]:
-        return tuple(o for o in self.objects if o.state)
-
-    @property
-    def first_token(self) -> int:
-        """The first token of its earliest chunk: where a failure leaves a hole."""
-        return min((o.index * self.chunk_tokens[o.group] for o in self.objects if not o.state),
-                   default=NO_HOLE)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPlan:
-    """What a claim of tokens ``[start, end)`` (and the states at ``end``) fetches: the
-    chunks, the states, one key per chunk then per state, and the request's blocks each
-    lands in (vLLM's or the native core's block ids)."""
-
-    start: int
-    end: int
-    chunks: tuple[plans.ChunkLoad, ...]
-    states: tuple[plans.StateLoad, ...]
-    keys: tuple[ObjectKey, ...]
-    dst: tuple[tuple[int, ...], ...]
-
-    @property
-    def lands_on_null(self) -> bool:
-        """A planned object has no block to land in (the allocation disagrees)."""
-        return any(0 in ids for ids in self.dst)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoadReport:
-    """How a load ended: ``verified`` less than ``claimed`` tokens is a failed load (the
-    rest is computed again); ``cancelled`` and ``abandoned`` loads verified nothing. What
-    it copied in was reported piece by piece (:meth:`OffloadLedger.copied_in`)."""
-
-    claimed: int
-    verified: int = 0
-    cancelled: bool = False
-    abandoned: bool = False  # the request went away: only the cancellation is counted
-
-
-@dataclass(slots=True)
-class TenantCounters:
-    """One tenant's counters (the ledger's; :class:`~kvplugin.aio.tenants.TenantStats`
-    is their snapshot)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: dict[str, int] = field(default_factory=dict)
-    loads: int = 0
-    loads_failed: int = 0
-    loads_cancelled: int = 0
-    loaded_bytes: int = 0
-    stores: int = 0
-    stored_chunks: int = 0
-    stored_bytes: int = 0
-    stored_bytes_by_tier: dict[str, int] = field(default_factory=dict)
-    stores_failed: int = 0
-    stores_shed: int = 0
-    stores_shed_quota: int = 0
-    stores_deduplicated: int = 0
-    quota_refusals: int = 0
-    quota_evictions: int = 0
-    store_bytes_in_flight: int = 0
-    queries: int = 0
-    queried_tokens: int = 0
+# The counters a tenant has (TenantCounters) and the global stats too: booked per tenant
+# only, the global figure is their sum (OffloadLedger.stats).
+PER_TENANT = ("queries", "queried_tokens", "loads", "loads_failed", "loads_cancelled",
+              "loaded_bytes", "stores", "stored_chunks", "stored_bytes", "stores_failed",
+              "stores_shed", "stores_shed_quota", "stores_deduplicated", "quota_refusals",
+              "quota_evictions")
+DEVICE = "device"  # the device cache's hit tokens, beside each tier's
 
 
 def _bump(counts: dict[str, int], key: str, n: int) -> None:
@@ -202,27 +88,45 @@ class OffloadLedger:
     def __init__(self, layout: plans.Layout, keyspace: KeySpace, *,
                  page_bytes: Sequence[int], tiers: Sequence[str],
                  store_budget_bytes: int | None, store_prompt_only: bool = False,
-                 tier_quota: Callable[[str], Mapping[str, int]] = lambda _t: {},
+                 quotas: TierQuotas = NO_QUOTAS, reporting: Iterable[str] = (),
                  stats: OffloadStats | None = None) -> None:
         self.layout = layout
         self.keyspace = keyspace
-        self.stats = stats if stats is not None else OffloadStats()
+        self._stats = stats if stats is not None else OffloadStats()
         self._page_bytes = tuple(page_bytes)
         self._tiers = tuple(tiers)
         self._budget = store_budget_bytes
         self._prompt_only = store_prompt_only
-        self._tier_quota = tier_quota
+        self._quotas = quotas
         self._hbs = keyspace.hash_block_size
         self._chunk_tokens = tuple(layout.chunk_tokens(g) if layout.chunked(g) else 0
                                    for g in range(layout.num_groups))
         self._storing: set[str] = set()  # key ids of objects being stored (tracked)
         self._open: set[StorePlan] = set()  # tracked plans prepared here, not completed
+        self._loading: set[LoadPlan] = set()  # load plans prepared here, not completed
         self._bytes = 0
         self._tenants: dict[str, TenantCounters] = {}
-        # Held tier bytes (count_held): only with a tier quota somewhere.
-        self.holdings: TierHoldings | None = None
-        self._reporting: frozenset[str] = frozenset()
-        self._pump: Callable[[], None] = lambda: None
+        # Held tier bytes: only with a tier quota somewhere.
+        self.holdings: TierHoldings | None = TierHoldings() if quotas.any() else None
+        self._reporting = frozenset(reporting)
+
+    @property
+    def stats(self) -> OffloadStats:
+        """A snapshot of the global counters. Those a tenant has are booked once, per
+        tenant, and summed here (:data:`PER_TENANT`, the device's and each tier's hit
+        tokens); the rest (states, chunks loaded, tokens recomputed, ...) have no tenant
+        and are booked globally."""
+        s, per = self._stats.copy(), self._tenants.values()
+        for name in PER_TENANT:
+            setattr(s, name, sum(getattr(c, name) for c in per))
+        s.local_hit_tokens = sum(c.hit_tokens.get(DEVICE, 0) for c in per)
+        by_tier: dict[str, int] = {}
+        for c in per:
+            for tier, n in c.hit_tokens.items():
+                if tier != DEVICE:
+                    _bump(by_tier, tier, n)
+        s.hit_tokens_by_tier = by_tier
+        return s
 
     @property
     def tracked(self) -> bool:
@@ -260,12 +164,19 @@ class OffloadLedger:
         n = self.layout.num_groups
         return OffloadRequest(request_id, tenant, scope, [0] * n, keys=[[] for _ in range(n)])
 
-    def admitted(self, rq: OffloadRequest, end: int, stored_until: Sequence[int] = ()) -> None:
+    def close(self, rq: OffloadRequest) -> None:
+        """The request finished: no load is planned for it any more (its stores in flight
+        still complete), and its derived keys are let go."""
+        rq.closed = True
+        rq.keys = [[] for _ in rq.keys]
+
+    def admit(self, rq: OffloadRequest, end: int, stored_until: Sequence[int] = ()) -> None:
         """The request computes from ``end`` (its device hit and claim): chunks inside it
         came from somewhere that stored them, and so did states up to it. Chunks its
         lookup found stored beyond the claim (``stored_until``: per group, the end of what
         the tiers hold, :attr:`~kvplugin.aio.plans.Claim.stored_until`) need no store
         either (vLLM's chunk-level policy)."""
+        self._check_live(rq)
         for g in self.layout.chunked_groups:
             n = end // self._chunk_tokens[g]
             if stored_until:
@@ -285,30 +196,24 @@ class OffloadLedger:
             rq.next_chunk[g] = min(rq.next_chunk[g], done // self._chunk_tokens[g])
         rq.known_until = min(rq.known_until, done)
 
-    def booked_hits(self, tenant: str, *, queried_tokens: int, local: int, external: int,
-                    by_tier: Mapping[str, int], device: str = "device") -> None:
+    def book_query(self, tenant: str, *, queried_tokens: int, local: int, external: int,
+                   by_tier: Mapping[str, int]) -> None:
         """An admission's prefix-cache query: its tokens, the device hit, the claim (and
         its tokens per tier)."""
-        s, c = self.stats, self.tenant(tenant)
-        s.queries += 1
-        s.queried_tokens += queried_tokens
-        s.local_hit_tokens += local
-        s.external_hit_tokens += external
+        c = self.tenant(tenant)
+        self._stats.external_hit_tokens += external  # the claim (its tiers may not add up)
         c.queries += 1
         c.queried_tokens += queried_tokens
-        _bump(c.hit_tokens, device, local)
+        _bump(c.hit_tokens, DEVICE, local)
         for name, n in by_tier.items():
-            _bump(s.hit_tokens_by_tier, name, n)
             _bump(c.hit_tokens, name, n)
 
     def refused(self, tenant: str) -> None:
         """An admission refused over the tenant's in-use quota."""
         self.tenant(tenant).quota_refusals += 1
-        self.stats.quota_refusals += 1
 
     def quota_evicted(self, tenant: str, n: int) -> None:
         self.tenant(tenant).quota_evictions += n
-        self.stats.quota_evictions += n
 
     # ------------------------------------------------------------------ stores
     def committed(self, req: RequestView, computed: int) -> int:
@@ -323,17 +228,18 @@ class OffloadLedger:
         return any(ready // self._chunk_tokens[g] > rq.next_chunk[g]
                    for g in self.layout.chunked_groups)
 
-    def offer(self, rq: OffloadRequest, req: RequestView, *, computed: int,
-              table: Sequence[Sequence[int]], offers: Sequence[StateOffer] = (),
-              tails: Sequence[StateOffer] = (), alive: bool = True,
-              holds: Callable[[StateOffer], bool] | None = None) -> StorePlan | None:
+    def prepare_store(self, rq: OffloadRequest, req: RequestView, *, computed: int,
+                      table: Sequence[Sequence[int]], offers: Sequence[StateOffer] = (),
+                      tails: Sequence[StateOffer] = (), alive: bool = True,
+                      stale: Iterable[StateOffer] = ()) -> StorePlan | None:
         """What to store now that ``computed`` tokens of ``req`` are computed (its KV in
         ``table``, its block ids per group): the chunks that became storable, then the
         state ``offers`` (``tails``: finish-time partial tails) worth keeping. ``alive``
-        False (its blocks may be reused): nothing is read, every offer dropped. ``holds``:
-        whether an offered block still holds the request's state. None: nothing to store.
-        A tracked plan is registered (budget, duplicates) until :meth:`store_completed`."""
-        s = self.stats
+        False (its blocks may be reused): nothing is read, every offer dropped. ``stale``:
+        offered blocks that no longer hold the request's state (evicted and reused since
+        the offer). None: nothing to store. A tracked plan is registered (budget,
+        duplicates) until :meth:`complete_store`."""
+        s = self._stats
         if not alive:
             s.states_dropped += len(offers) + len(tails)
             return None
@@ -344,7 +250,7 @@ class OffloadLedger:
         if nbytes and self._over_tier_quota(rq.tenant, c, nbytes):
             self._shed_quota(rq, c, chunks, len(offers) + len(tails))
             return None
-        states = self._state_objects(rq, req, offers, tails, holds)
+        states = self._state_objects(rq, req, offers, tails, frozenset(stale))
         if not chunks and not states:
             return None
         take = self._select(rq, c, chunks)
@@ -376,7 +282,7 @@ class OffloadLedger:
 
     def _state_objects(self, rq: OffloadRequest, req: RequestView,
                        offers: Sequence[StateOffer], tails: Sequence[StateOffer],
-                       holds: Callable[[StateOffer], bool] | None) -> list[StoreObject]:
+                       stale: frozenset[StateOffer]) -> list[StoreObject]:
         if not offers and not tails:
             return []
         save_end = req.num_prompt_tokens if self._prompt_only else req.num_tokens
@@ -386,13 +292,13 @@ class OffloadLedger:
             save_end=save_end, hole=rq.hole)
         out = []
         for o in kept:
-            if holds is not None and not holds(o):
+            if o in stale:
                 dropped += 1
                 continue
             key = self.keyspace.state_key(rq.scope, o.group, req.block_hashes, o.boundary)
             out.append(StoreObject(o.group, o.boundary, key, (o.block_id,),
                                    self._page_bytes[o.group], True, o in tail_set))
-        self.stats.states_dropped += dropped
+        self._stats.states_dropped += dropped
         return out
 
     def _select(self, rq: OffloadRequest, c: TenantCounters, objects: list[StoreObject],
@@ -402,14 +308,11 @@ class OffloadLedger:
             return objects
         sel = plans.select_stores([(o.key.id, o.nbytes) for o in objects], self._storing,
                                   self._bytes + used, self._budget)
-        self.stats.stores_shed += sel.shed
-        self.stats.stores_deduplicated += sel.duplicates
         c.stores_shed += sel.shed
         c.stores_deduplicated += sel.duplicates
         return [objects[i] for i in sel.take]
 
     def _register(self, rq: OffloadRequest, c: TenantCounters, plan: StorePlan) -> StorePlan:
-        self.stats.stores += 1
         c.stores += 1
         if plan.tracked:
             self._open.add(plan)
@@ -417,20 +320,20 @@ class OffloadLedger:
             self._bytes += plan.nbytes
             c.store_bytes_in_flight += plan.nbytes
             rq.stores.add(plan)
-            if self._tracks(rq.tenant):
-                assert self.holdings is not None
+            if self.holdings is not None and self._quotas.of(rq.tenant):
                 self.holdings.expect(rq.tenant, [(o.key.id, o.nbytes) for o in plan.objects])
         return plan
 
-    def store_completed(self, plan: StorePlan, done: bool,
-                        tier_counts: Sequence[int] = ()) -> None:
-        """A plan's store ended: ``done`` (every tier took it; ``tier_counts`` per tier, the
-        objects present there after the write) or not (failed, cancelled: later states of
-        the request would miss these chunks). A plan completes once, in the ledger that
-        prepared it: anything else raises :class:`PlanError` before a figure changes."""
+    def complete_store(self, plan: StorePlan, result: StoreResult) -> None:
+        """A plan's store ended: done (``tier_counts`` per tier, the objects present there
+        after the write) or not (failed, cancelled: later states of the request would miss
+        these chunks). Apply the tiers' events of its writes first (a settled object no
+        tier holds is gone). A plan completes once, in the ledger that prepared it:
+        anything else raises :class:`PlanError` before a figure changes."""
         self._check_open(plan)
+        done, tier_counts = result.done, result.tier_counts
         plan.state = PlanState.DONE if done else PlanState.FAILED
-        rq, s = plan.request, self.stats
+        rq, s = plan.request, self._stats
         c = self.tenant(rq.tenant)
         if plan.tracked:
             self._open.discard(plan)
@@ -438,18 +341,13 @@ class OffloadLedger:
             self._bytes -= plan.nbytes
             c.store_bytes_in_flight -= plan.nbytes
             rq.stores.discard(plan)
-            if self._tracks(rq.tenant):
-                assert self.holdings is not None
-                self._pump()  # its writes' events first: a settled object no tier took is gone
+            if self.holdings is not None and self._quotas.of(rq.tenant):
                 self.holdings.settle(plan.key_ids)
         n, states = len(plan.objects), len(plan.states)
         if not done:
-            s.stores_failed += n
             c.stores_failed += n
             rq.hole = min(rq.hole, plan.first_token)
             return
-        s.stored_chunks += n - states
-        s.stored_bytes += plan.nbytes
         s.stored_states += states
         s.partial_tails += sum(o.tail for o in plan.objects)
         c.stored_chunks += n - states
@@ -470,34 +368,19 @@ class OffloadLedger:
                             "prepare it")
 
     # ------------------------------------------------------------------ tier quotas
-    def count_held(self, reporting: Iterable[str], pump: Callable[[], None],
-                   quotas: Iterable[Mapping[str, int]]) -> bool:
-        """Count tier quotas against bytes held on the ``reporting`` tiers (their events
-        complete), ``pump`` handing this the tiers' events before each check. False
-        (nothing to count) when no quota names a tier."""
-        if not any(quotas):
-            return False
-        self.holdings = TierHoldings()
-        self._reporting = frozenset(reporting)
-        self._pump = pump
-        return True
+    def needs_tier_events(self, tenant: str) -> bool:
+        """Whether a store of ``tenant`` is checked against bytes held: then the executor
+        applies the tiers' events so far (:meth:`apply_tier_events`) before preparing it
+        and before completing its plans."""
+        return self.holdings is not None and bool(self._quotas.of(tenant))
 
-    def refresh_holdings(self) -> None:
-        """Take the tiers' events now (a check between two offers)."""
-        self._pump()
-
-    def tier_events(self, events: Sequence[TierEvent]) -> None:
-        if self.holdings is not None:
+    def apply_tier_events(self, events: Sequence[TierEvent]) -> None:
+        """The tiers' stored / removed / cleared objects (held bytes follow them)."""
+        if self.holdings is not None and events:
             self.holdings.apply(events)
 
-    def _tracks(self, tenant: str) -> bool:
-        return self.holdings is not None and bool(self._tier_quota(tenant))
-
     def _over_tier_quota(self, tenant: str, c: TenantCounters, nbytes: int) -> bool:
-        limits = self._tier_quota(tenant)
-        if not limits:
-            return False  # no quota to check: the tiers' events wait for the next pump
-        self._pump()
+        limits = self._quotas.of(tenant)
         return any(self._charged(tenant, c, tier) + c.store_bytes_in_flight + nbytes > n
                    for tier, n in limits.items())
 
@@ -513,54 +396,60 @@ class OffloadLedger:
         them) and its states are dropped."""
         for o in chunks:
             rq.hole = min(rq.hole, o.index * self._chunk_tokens[o.group])
-        n, s = len(chunks), self.stats
+        n = len(chunks)
         c.stores_shed += n
         c.stores_shed_quota += n
-        s.stores_shed += n
-        s.stores_shed_quota += n
-        s.states_dropped += num_states
+        self._stats.states_dropped += num_states
 
     # ------------------------------------------------------------------ loads
-    def load_plan(self, rq: OffloadRequest, req: RequestView, table: Sequence[Sequence[int]],
-                  start: int, end: int, state_at: int | None) -> LoadPlan:
+    def prepare_load(self, rq: OffloadRequest, req: RequestView,
+                     table: Sequence[Sequence[int]], start: int, end: int,
+                     state_at: int | None) -> LoadPlan:
         """The objects a claim of ``[start, end)`` and the states at ``state_at`` fetch, and
         the blocks of ``table`` they land in (a window group fetches only the window before
-        ``end``: the engine left the rest null)."""
+        ``end``: the engine left the rest null). The load is counted started and its plan
+        stays open until :meth:`complete_load`."""
+        self._check_live(rq)
         lay, hashes = self.layout, req.block_hashes
-        chunks = plans.load_plan(lay, start, end) if end > start else ()
-        states = plans.state_plan(lay, state_at)
-        keys = [rq.chunk_keys(self.keyspace, hashes, c.group, c.chunk, c.chunk + 1)[0]
-                for c in chunks]
-        keys += [self.keyspace.state_key(rq.scope, s.group, hashes, s.boundary) for s in states]
-        dst = [tuple(table[c.group][c.first_block:c.first_block + c.num_blocks])
-               for c in chunks]
-        dst += [(table[s.group][s.slot],) for s in states]
-        return LoadPlan(start, end, chunks, states, tuple(keys), tuple(dst))
-
-    def load_started(self, rq: OffloadRequest) -> None:
-        self.stats.loads += 1
+        objects = [LoadObject(c, rq.chunk_keys(self.keyspace, hashes, c.group, c.chunk,
+                                               c.chunk + 1)[0],
+                              tuple(table[c.group][c.first_block:c.first_block + c.num_blocks]))
+                   for c in (plans.load_plan(lay, start, end) if end > start else ())]
+        objects += [LoadObject(s, self.keyspace.state_key(rq.scope, s.group, hashes,
+                                                          s.boundary),
+                               (table[s.group][s.slot],))
+                    for s in plans.state_plan(lay, state_at)]
+        plan = LoadPlan(rq, start, end, tuple(objects))
+        self._loading.add(plan)
         self.tenant(rq.tenant).loads += 1
+        return plan
 
-    def copied_in(self, rq: OffloadRequest, tier: str, nbytes: int, *, state: bool) -> None:
-        """A load copied one chunk (or a Mamba state) of ``nbytes`` from ``tier`` in."""
-        s = self.stats
-        if state:
-            s.loaded_states += 1
-        else:
-            s.loaded_chunks += 1
-        s.loaded_bytes += nbytes
-        _bump(s.loaded_bytes_by_tier, tier, nbytes)
-        self.tenant(rq.tenant).loaded_bytes += nbytes
-
-    def load_completed(self, rq: OffloadRequest, report: LoadReport) -> None:
-        """A load ended (its copies reported before)."""
-        s, c = self.stats, self.tenant(rq.tenant)
-        if report.cancelled:
-            s.loads_cancelled += 1
+    def complete_load(self, plan: LoadPlan, result: LoadResult) -> None:
+        """A load ended: what it copied in (per object, the tier and bytes) and how far it
+        verified. Once per plan, in the ledger that prepared it (else :class:`PlanError`,
+        nothing changed)."""
+        if plan.state is not PlanState.OPEN or plan not in self._loading:
+            what = "completed twice" if plan.state is not PlanState.OPEN else "unknown"
+            raise PlanError(f"load plan of request {plan.request.request_id!r}: {what}")
+        self._loading.discard(plan)
+        ended = result.cancelled or result.abandoned
+        failed = not ended and result.verified < plan.end
+        plan.state = PlanState.FAILED if failed or ended else PlanState.DONE
+        s, c = self._stats, self.tenant(plan.request.tenant)
+        for tier, nbytes, state in result.copied:
+            if state:
+                s.loaded_states += 1
+            else:
+                s.loaded_chunks += 1
+            _bump(s.loaded_bytes_by_tier, tier, nbytes)
+            c.loaded_bytes += nbytes
+        if result.cancelled:
             c.loads_cancelled += 1
-        if report.abandoned or report.cancelled:
-            return
-        if report.verified < report.claimed:
-            s.loads_failed += 1
+        if failed:
             c.loads_failed += 1
-            s.recomputed_tokens += report.claimed - report.verified
+            s.recomputed_tokens += plan.end - result.verified
+
+    def _check_live(self, rq: OffloadRequest) -> None:
+        if rq.closed:
+            raise PlanError(f"request {rq.request_id!r} is closed: nothing is admitted or "
+                            "loaded for it")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,7 +33,7 @@ from kvplugin.aio.jobs import start as start_job
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.memory import HostKVMemory
 from kvplugin.aio.objects import ObjectSpec, PageLike, chunk_spec, state_spec
-from kvplugin.aio.offload_ledger import OffloadLedger, StoreObject, StorePlan
+from kvplugin.aio.offload_ledger import OffloadLedger, StoreObject, StorePlan, StoreResult
 from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.tier_events import TierEventView, describe_chunk, describe_state
@@ -163,6 +163,8 @@ class JobContext:
     latency: LatencyRecorder
     ledger: OffloadLedger
     events: TierEventView | None = None
+    # Hands the ledger the tiers' events so far (held bytes), before a decision needs them.
+    tier_events: Callable[[], None] = lambda: None
 
 
 class JobSide:
@@ -183,6 +185,7 @@ class JobSide:
         self._latency = ctx.latency
         self._ledger = ctx.ledger
         self._events = ctx.events
+        self._tier_events = ctx.tier_events
 
 
 class Stores(JobSide):
@@ -207,10 +210,13 @@ class Stores(JobSide):
             return 0  # nothing to store: the common case, kept off the step path
         # Its blocks gone or still being loaded: no offer of it can be read.
         alive = st.admitted and st.load is None
-        plan = ledger.offer(st.offload, req, computed=req.num_computed_tokens,
-                            table=self._core.get_block_ids(req.request_id) if alive else (),
-                            offers=offers, tails=tails, alive=alive,
-                            holds=lambda o: self._still_holds(st, o))
+        if ledger.needs_tier_events(st.tenant):
+            self._tier_events()
+        stale = [o for o in (*offers, *tails) if alive and not self._still_holds(st, o)]
+        plan = ledger.prepare_store(
+            st.offload, req, computed=req.num_computed_tokens,
+            table=self._core.get_block_ids(req.request_id) if alive else (),
+            offers=offers, tails=tails, alive=alive, stale=stale)
         if plan is None:
             return 0
         self._start(st, plan)
@@ -218,8 +224,12 @@ class Stores(JobSide):
 
     def _still_holds(self, st: ReqState, offer: StateOffer) -> bool:
         """Whether the offered block is still cached under the request's hash at the
-        boundary: a block evicted and reused since the offer holds someone else's bytes."""
-        digest = st.req.block_hashes[offer.boundary // self._hbs - 1]
+        boundary: a block evicted and reused since the offer holds someone else's bytes.
+        An offer at no hashed boundary is the ledger's to drop (it keys none)."""
+        i = offer.boundary // self._hbs - 1
+        if not 0 <= i < len(st.req.block_hashes):
+            return True
+        digest = st.req.block_hashes[i]
         key = digest + offer.group.to_bytes(4, "big")
         return self._core.offload_view().caches(offer.block_id, key)
 
@@ -277,7 +287,10 @@ class Stores(JobSide):
             self.copies.discard(job.pending)
         self._latency.store.observe(time.perf_counter() - job.started)
         self._jobs.discard(job)
-        self._ledger.store_completed(job.plan, job.ended is JobEnd.DONE, job.tier_counts)
+        if self._ledger.needs_tier_events(job.plan.request.tenant):
+            self._tier_events()  # its writes' events first: an object no tier took is gone
+        self._ledger.complete_store(job.plan, StoreResult(job.ended is JobEnd.DONE,
+                                                          job.tier_counts))
         if job.owner is not None:
             job.owner.stores.discard(job)
         self._holds.job_ended(job)

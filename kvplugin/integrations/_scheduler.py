@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplugin.aio import plans
-from kvplugin.aio.offload_ledger import LoadReport, OffloadLedger, OffloadRequest, StorePlan
+from kvplugin.aio.offload_ledger import (
+    LoadPlan,
+    LoadResult,
+    OffloadLedger,
+    OffloadRequest,
+    StorePlan,
+    StoreResult,
+)
 from kvplugin.aio.tenants import TenantPolicy
 from kvplugin.integrations import _events, _lookup
 from kvplugin.integrations._hits import Piece, claim_dropped, load_pieces, worth_reconciling
@@ -125,8 +132,6 @@ class _Req:
     state_at: int | None = None  # the boundary of the claimed states
     stored_until: tuple[int, ...] = ()  # per group, where the tiers' chunks end (lookup)
     load_failed: bool = False  # never claim from the tiers again: vLLM recomputes
-    load_start: int = 0  # the claim being loaded: [load_start, load_end)
-    load_end: int = 0
 
 
 class SchedulerSide:
@@ -154,6 +159,7 @@ class SchedulerSide:
         self._plan = StepPlan([], [], [])
         self._kvm: Any = None
         self._plans: dict[int, StorePlan] = {}  # open store plans by the id workers report
+        self._load_plans: dict[str, LoadPlan] = {}  # open load plans by request
         self._next_plan = 0
         self._outcomes = Outcomes(num_workers)
         self._book = TenantBook()
@@ -281,8 +287,9 @@ class SchedulerSide:
         end = local + num_external_tokens
         self._admit(st, end, local)
         assert st.offload is not None  # a claim is only made for a valid tenant
-        plan = self._ledger.load_plan(st.offload, request, blocks.get_block_ids(), local, end,
-                                      st.state_at)
+        plan = self._ledger.prepare_load(st.offload, request, blocks.get_block_ids(), local,
+                                         end, st.state_at)
+        self._load_plans[request.request_id] = plan
         pieces = load_pieces(self._layout, plan)
         # vLLM allocated every block the plan names (the native core's rules), and a state
         # lands in a fresh block (on a diverged hit too: the claim ends past every Mamba
@@ -294,8 +301,6 @@ class SchedulerSide:
             logger.warning("kvplugin load for %s: vLLM gave a null or cached block for a "
                            "planned object; the load fails and vLLM recomputes",
                            request.request_id)
-        self._ledger.load_started(st.offload)
-        st.load_start, st.load_end = local, end
         spec = LoadSpec(request.request_id, pieces, st.async_hit, local, end, self._per_request,
                         broken)
         st.phase = Phase.LOADING if spec.is_async else Phase.RUNNING
@@ -316,10 +321,10 @@ class SchedulerSide:
         request restarts here too). One admission is one prefix-cache query, booked with
         its device hit (``local``) and claim (the tiers answer as one: ``offload``)."""
         if st.offload is not None:
-            self._ledger.admitted(st.offload, end, st.stored_until)
+            self._ledger.admit(st.offload, end, st.stored_until)
             ext = end - local
             if book:
-                self._ledger.booked_hits(st.tenant, queried_tokens=st.request.num_tokens,
+                self._ledger.book_query(st.tenant, queried_tokens=st.request.num_tokens,
                                          local=local, external=ext,
                                          by_tier={"offload": ext} if ext else {})
         st.phase = Phase.RUNNING
@@ -381,7 +386,7 @@ class SchedulerSide:
         if self._kvm is None or st.offload is None or not self._role.stores:
             return
         req = st.request
-        plan = self._ledger.offer(
+        plan = self._ledger.prepare_store(
             st.offload, req, computed=computed_after,
             table=self._kvm.get_block_ids(req.request_id) if alive else (),
             offers=[plans.StateOffer(*o) for o in offers],
@@ -398,8 +403,9 @@ class SchedulerSide:
         if (st is None or st.offload is None or st.phase is Phase.LOADING
                 or not self._role.stores):
             return False
-        plan = self._ledger.offer(st.offload, request, computed=request.num_computed_tokens,
-                                  table=block_ids, tails=[plans.StateOffer(*t) for t in tails])
+        plan = self._ledger.prepare_store(st.offload, request,
+                                          computed=request.num_computed_tokens, table=block_ids,
+                                          tails=[plans.StateOffer(*t) for t in tails])
         if plan is None:
             return False
         self._plan.saves.append(self._save_spec(st, plan))
@@ -452,7 +458,7 @@ class SchedulerSide:
             self._ledger.name_tiers(meta.tiers)
         # Events first: a store that ended had its writes' events recorded before it did,
         # and the ledger settles an object no tier holds as gone.
-        self._ledger.tier_events(meta.events)
+        self._ledger.apply_tier_events(meta.events)
         for part in meta.stores:
             o = self._outcomes.store_ended(part)
             if o is None:
@@ -462,18 +468,19 @@ class SchedulerSide:
                 self._log.warn("plan", "a worker reported store plan %d, which is not open "
                                "(ignored)", o.plan)
                 continue
-            self._ledger.store_completed(plan, o.ok, o.tier_counts)
+            self._ledger.complete_store(plan, StoreResult(o.ok, o.tier_counts))
         tiers = self._ledger.tiers
         for lpart in meta.loads:
             lo = self._outcomes.load_ended(lpart)
-            st = None if lo is None else self._reqs.get(lo.req_id)
-            if lo is None or st is None or st.offload is None:
+            lplan = None if lo is None else self._load_plans.pop(lo.req_id, None)
+            if lo is None or lplan is None:
                 continue
-            for level, nbytes, state in lo.copied:
-                tier = tiers[level] if 0 <= level < len(tiers) else "offload"
-                self._ledger.copied_in(st.offload, tier, nbytes, state=state)
-            self._ledger.load_completed(st.offload, LoadReport(
-                claimed=lo.end - lo.start, verified=lo.verified - lo.start))
+            copied = tuple((tiers[level] if 0 <= level < len(tiers) else "offload", n, state)
+                           for level, n, state in lo.copied)
+            # A request that went away while its load ran: only what it copied is booked.
+            gone = lo.req_id not in self._reqs
+            self._ledger.complete_load(lplan, LoadResult(verified=lo.verified, abandoned=gone,
+                                                         copied=copied))
 
     # ------------------------------------------------------------------ finish
     def request_finished(self, request: Any) -> bool:
@@ -482,6 +489,8 @@ class SchedulerSide:
         free twice."""
         self._reconcile_for.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.offload is not None:
+            self._ledger.close(st.offload)
         if st is None or not st.plans or st.phase is Phase.LOADING:
             return False
         self._plan.delayed_frees.append(request.request_id)

@@ -50,8 +50,8 @@ COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
                                    "recomputes the rest)"),
     "loaded_bytes": (("tenant",), "KV bytes loaded into vLLM's KV cache, verified"),
     "stores": (("tenant",), "store plans started"),
-    "stored_chunks": (("tenant",), "chunk and state objects stored (every worker's part "
-                                   "on some tier)"),
+    "stored_chunks": (("tenant",), "chunk objects stored (every worker's part on some "
+                                   "tier)"),
     "stored_bytes": (("tenant", "tier"), "KV bytes of finished stores, charged on each tier "
                                          "for the objects that tier confirmed"),
     "stores_failed": (("tenant",), "objects of store plans that failed (a tier error or "

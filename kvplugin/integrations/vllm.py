@@ -50,7 +50,7 @@ import logging
 from typing import Any
 
 from kvplugin.aio.memory import layout_of
-from kvplugin.aio.offload_ledger import OffloadLedger
+from kvplugin.aio.offload_ledger import OffloadLedger, TierQuotas
 from kvplugin.config import KVPluginConfig
 from kvplugin.integrations import _lookup, _runtime
 from kvplugin.integrations._groups import GroupIO, group_ios, map_groups, pages_in
@@ -158,7 +158,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             check_tiers(self._rt, config.offload.require_tiers)
             # Held bytes are counted on the scheduler only when a tenant has a tier quota;
             # one worker feeds it the tiers' events.
-            feed = rank0 and any(q.max_tier_bytes for q in _quotas(policy))
+            feed = rank0 and TierQuotas.of_policy(policy).any()
             self._worker = WorkerSide(self._rt, self._groups, layout.chunk_blocks,
                                       events=events_on and config.offload.tier_events,
                                       feed=feed, copy_in=self._copy_in)
@@ -319,10 +319,10 @@ def _scheduler_side(vllm_config: Any, kv_cache_config: Any, config: KVPluginConf
                            tiers=config.offload.tier_kinds(),
                            store_budget_bytes=oc.store_budget_bytes,
                            store_prompt_only=config.offload.store_prompt_only,
-                           tier_quota=lambda t: policy.quota(t).max_tier_bytes)
-    # Built-in tiers report every object they store and drop: quotas count bytes held.
-    ledger.count_held(config.offload.tier_kinds(), lambda: None,
-                      [q.max_tier_bytes for q in _quotas(policy)])
+                           quotas=TierQuotas.of_policy(policy),
+                           # Built-in tiers report every object they store and drop: quotas
+                           # count bytes held there.
+                           reporting=config.offload.tier_kinds())
     # A failed load fails the whole request (vLLM recomputes it from 0) with several
     # groups (vLLM 0.33 raises on block ids, unique per group only) and with a
     # sliding-window or chunked local group (recomputing from the first bad block would
@@ -341,10 +341,6 @@ def _scheduler_side(vllm_config: Any, kv_cache_config: Any, config: KVPluginConf
         events_on=events_on,
         spec_kinds=[_spec_kind(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
         num_workers=max(1, int(getattr(vllm_config.parallel_config, "world_size", 1))))
-
-
-def _quotas(policy: Any) -> list[Any]:
-    return [policy.default_quota, *(policy.tenants or {}).values()]
 
 
 def refuse_unenforceable(config: KVPluginConfig) -> None:

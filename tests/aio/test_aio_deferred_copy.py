@@ -179,16 +179,19 @@ async def test_a_load_copies_in_one_chunk_per_callback() -> None:
         b = mgr.new_request("b", PROMPT, tenant="acme")
         adm = mgr.allocate(b, await mgr.lookup(b))
         assert adm is not None and adm.loading and adm.external_tokens == 24
+        job = mgr._requests["b"].load
+        assert job is not None
         seen = []
         for _ in range(50):
             await asyncio.sleep(0)
-            seen.append(mgr.stats().loaded_chunks)
+            seen.append(len(job.copied))  # the pieces copied in so far (booked at the end)
             if seen[-1] == 3:
                 break
         # Each chunk in a callback of its own: the count goes up one at a time.
         steps = sorted(set(seen))
         assert steps[-3:] == [1, 2, 3] and all(seen.count(n) >= 1 for n in (1, 2))
         await mgr.wait_load(b)
+        assert mgr.stats().loaded_chunks == 3  # booked once the load completed
         b.status = RequestStatus.FINISHED_STOPPED
         mgr.finish(b)
         await mgr.drain()

@@ -15,7 +15,7 @@ AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.ai
        "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
        "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop",
        "kvplugin.aio.holdings", "kvplugin.aio.offload_ledger", "kvplugin.aio.admission",
-       "kvplugin.aio.objects"]
+       "kvplugin.aio.objects", "kvplugin.aio.offload_types"]
 
 
 def _static_imports(root: Path) -> list[tuple[Path, int, str]]:
@@ -74,10 +74,11 @@ def test_async_layer_reaches_the_core_only_through_its_view() -> None:
 
 # The offload ledger's state machine and the decisions it takes: synchronous, no I/O, no
 # core objects (both integrations execute it; neither's runtime may leak in).
-PURE = ["offload_ledger", "plans", "holdings"]
+PURE = ["offload_ledger", "offload_types", "plans", "holdings"]
 PURE_MAY_IMPORT = {"__future__", "collections.abc", "dataclasses", "enum", "typing", "itertools",
                    "math", "types", "kvplugin.aio", "kvplugin.aio.plans",
                    "kvplugin.aio.holdings", "kvplugin.aio.keys", "kvplugin.aio.values",
+                   "kvplugin.aio.offload_types",
                    "kvplugin.connectors.events", "kvplugin.connectors.keys",
                    "kvplugin.core.single_type.mamba_checkpoints"}
 

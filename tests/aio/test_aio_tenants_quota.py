@@ -474,7 +474,7 @@ async def test_tier_byte_quota_bounds_bytes_held_through_evictions() -> None:
             await serve(mgr, model, mgr.new_request(f"a{i}", list(range(100 * i, 100 * i + 12)),
                                                     tenant="a"))
             await mgr.drain()
-            mgr.offloads.refresh_holdings()  # what the tier did since the last store ended
+            mgr.apply_tier_events()  # what the tier did since the last store ended
             held = holdings.held("a", "memory")
             assert held == len(conn) * PAGE <= min(quota, 5 * PAGE), (i, held, len(conn))
         ts = assert_sums(mgr)
@@ -507,11 +507,11 @@ async def test_tier_byte_quota_binds_on_held_bytes_and_frees_with_deletes() -> N
         assert mgr.tenant_stats()["a"].stores_shed_quota == 3  # the fourth's 3 chunks
         gone = mgr.keyspace.chunk_keys("a", 0, reqs[0].block_hashes, 0, 3)
         assert await conn.delete(gone, timeout=1) == 3
-        mgr.offloads.refresh_holdings()
+        mgr.apply_tier_events()
         assert (holdings.held("a", "memory"), len(conn)) == (6 * PAGE, 6)
         await serve(mgr, model, reqs[4])
         await mgr.drain()
-        mgr.offloads.refresh_holdings()
+        mgr.apply_tier_events()
         assert (holdings.held("a", "memory"), len(conn)) == (quota, 9)
         a = assert_sums(mgr)["a"]
         assert (a.stored_chunks, a.stores_shed_quota) == (12, 3)

@@ -76,7 +76,7 @@ def _load_pieces(keys: KeySpace, shapes: list[GroupShape], table: tuple[list[int
     ledger = OffloadLedger(lay, keys, page_bytes=[s.page_bytes for s in shapes], tiers=(),
                            store_budget_bytes=None)
     req = SimpleNamespace(block_hashes=_hashes(10), num_tokens=160, num_prompt_tokens=160)
-    plan = ledger.load_plan(ledger.open("r", "t", "t", 160), req, table, 0, end, state_at)
+    plan = ledger.prepare_load(ledger.open("r", "t", "t", 160), req, table, 0, end, state_at)
     return load_pieces(lay, plan)
 
 
