@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvplugin.core.block_events import BlockEvents
 from kvplugin.core.blocks import (
     BlockHash,
     BlockHashWithGroupId,
@@ -23,16 +23,11 @@ from kvplugin.core.blocks import (
 from kvplugin.core.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     KVCacheEvent,
 )
 from kvplugin.core.hashing import (
     _mm_cursor_for,
-    generate_block_hash_extra_keys,
-    generate_lookahead_block_hash_extra_keys,
     resolve_block_hashes,
-    to_event_extra_keys,
 )
 from kvplugin.core.metrics import KVCacheMetricsCollector
 from kvplugin.core.request import Request
@@ -156,7 +151,7 @@ class ReuseWatch:
             watches.append(self)
 
 
-class BlockPool:
+class BlockPool(BlockEvents):
     """Owns every block of one device pool; block 0 is the null block."""
 
     def __init__(
@@ -257,83 +252,6 @@ class BlockPool:
                 request, stored, parent, num_cached_blocks * block_size,
                 num_full_blocks * block_size, block_size, kv_cache_group_id, *extra))
 
-    def _event_extra_keys(
-        self, request: Request, blocks: Sequence[KVCacheBlock], first: int, last: int,
-        block_size: int, block_mask: Sequence[bool] | None,
-    ) -> tuple[list[tuple[Any, ...] | None], list[list[int]] | None]:
-        keys: list[tuple[Any, ...] | None] = []
-        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        if lookahead is None and (request.has_no_extra_keys or (
-                first > 0 and request.uniform_after_first_block)):
-            # Every block here carries the same keys (LoRA or nothing).
-            if block_mask is None:
-                n = last - first
-                for i in range(first, last):
-                    if blocks[i].is_null:
-                        n -= 1
-            else:
-                n = sum(1 for i in range(first, last)
-                        if block_mask[i - first] and not blocks[i].is_null)
-            lora = request.lora_request
-            k = None if lora is None else (("lora", lora.lora_name, lora.lora_path),)
-            return [k] * n, None
-        mm_idx = 0
-        for i in range(first, last):
-            if blocks[i].is_null or (block_mask is not None and not block_mask[i - first]):
-                continue
-            start = i * block_size
-            k, mm_idx = self._extra_keys(request, start, start + block_size, mm_idx)
-            keys.append(k)
-            if lookahead is not None:
-                lookahead.append(self._lookahead_tokens(request, start + block_size))
-        return keys, lookahead
-
-    def _extra_keys(self, request: Request, start: int, end: int,
-                    mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
-        if self.num_hash_lookahead_tokens:
-            return generate_lookahead_block_hash_extra_keys(
-                request, start, end, end + self.num_hash_lookahead_tokens, mm_idx)
-        return generate_block_hash_extra_keys(request, start, end, mm_idx)
-
-    def _lookahead_tokens(self, request: Request, block_end: int) -> list[int]:
-        return request.all_token_ids[block_end:block_end + self.num_hash_lookahead_tokens]
-
-    def _stored_event(
-        self, request: Request, hashes: list[int], parent: int | None, start: int, end: int,
-        block_size: int, group_id: int, extra_keys: list[tuple[Any, ...] | None],
-        lookahead: list[list[int]] | None,
-    ) -> BlockStored:
-        lora = request.lora_request
-        if not extra_keys:
-            event_keys = None
-        elif extra_keys[0] is None and extra_keys[-1] is None and not any(extra_keys):
-            event_keys = list(extra_keys)
-        else:
-            event_keys = to_event_extra_keys(extra_keys)
-        return BlockStored(
-            hashes, parent, request.all_token_ids[start:end], block_size,
-            lora.lora_int_id if lora else None, self.medium, lora.lora_name if lora else None,
-            event_keys, group_id, None, None, None, None, request.session_id, lookahead)
-
-    def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
-                                 block_size: int, kv_cache_group_id: int) -> None:
-        """Re-announce the first ``num_cached_blocks`` blocks of a hit (no state change)."""
-        if not self.enable_kv_cache_events or num_cached_blocks == 0:
-            return
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        ext = [external_block_hash(hashes[i]) for i in range(num_cached_blocks)]
-        keys: list[tuple[Any, ...] | None] = []
-        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        mm_idx = 0
-        for i in range(num_cached_blocks):
-            k, mm_idx = self._extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
-            keys.append(k)
-            if lookahead is not None:
-                lookahead.append(self._lookahead_tokens(request, (i + 1) * block_size))
-        self.kv_event_queue.append(self._stored_event(
-            request, ext, None, 0, num_cached_blocks * block_size, block_size,
-            kv_cache_group_id, keys, lookahead))
-
     def cache_partial_block(
         self, request: Request, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int,
         block_size: int, replace_existing_hashes: bool = False,
@@ -391,16 +309,6 @@ class BlockPool:
         block.block_hash = None
         block.block_hash_num_tokens = None
         return removed
-
-    def _emit_removed(self, keys: list[BlockHashWithGroupId]) -> None:
-        if not self.enable_kv_cache_events:
-            return
-        queue = self.kv_event_queue
-        medium = self.medium
-        for key in keys:
-            # key = hash + 4-byte group id; events carry the hash's low 64 bits.
-            queue.append(BlockRemoved([int.from_bytes(key[-12:-4], "big")], medium,
-                                      int.from_bytes(key[-4:], "big")))
 
     def _insert_block_hash(self, key: BlockHashWithGroupId, block: KVCacheBlock,
                            num_tokens: int | None) -> None:

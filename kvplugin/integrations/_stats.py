@@ -222,6 +222,11 @@ class RateLimitedLog:
         self._interval = interval
         self._last: dict[str, tuple[float, int]] = {}
 
+    def logged(self, what: str) -> None:
+        """A line about ``what`` was just written elsewhere (the start's health warning):
+        the next ones within the interval are held back and counted."""
+        self._last[what] = (time.monotonic(), 0)
+
     def warn(self, what: str, msg: str, *args: Any) -> None:
         now = time.monotonic()
         seen = self._last.get(what)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -91,8 +91,8 @@ class WorkerSide:
     loaded object's pages into vLLM's tensors."""
 
     def __init__(self, rt: Runtime, groups: list[GroupIO], chunk_blocks: int, *,
-                 events: bool, feed: bool,
-                 copy_in: Callable[[Piece, Any], None]) -> None:
+                 events: bool, feed: bool, copy_in: Callable[[Piece, Any], None],
+                 unhealthy: Sequence[str] = ()) -> None:
         self._rt = rt
         self._groups = groups
         self._chunk_blocks = chunk_blocks
@@ -102,6 +102,8 @@ class WorkerSide:
         self._tier_names = [t.capabilities.tier for t in connector_tiers(rt.connector)]
         self._w.tier_errors = [0] * len(self._tier_names)
         self._log = RateLimitedLog()
+        for name in unhealthy:  # the start's warning was its line: the errors wait their turn
+            self._log.logged(f"tier:{name}")
         if events:
             self._w.view = TierEventView()
             self._w.subscription = rt.subscribe_events()
@@ -322,12 +324,13 @@ class WorkerSide:
         return events
 
 
-def check_tiers(rt: Runtime, require: bool) -> None:
-    """The tiers' health at engine start: each failing tier is one warning in vLLM's log;
-    ``require`` (``offload.require_tiers``) makes any failure fail the start."""
+def check_tiers(rt: Runtime, require: bool) -> list[str]:
+    """The tiers' health at engine start: the failing tiers are one warning in vLLM's log
+    (their names returned); ``require`` (``offload.require_tiers``) makes any failure fail
+    the start."""
     tiers = connector_tiers(rt.connector)
     timeout = min(rt.timeouts.store, 5.0)
-    bad = []
+    bad, names = [], []
     for t in tiers:
         try:
             h = rt.loop.call(t.health(timeout=timeout), timeout=timeout + 1.0)
@@ -336,10 +339,12 @@ def check_tiers(rt: Runtime, require: bool) -> None:
             ok, detail = False, repr(e)
         if not ok:
             bad.append(f"{t.capabilities.tier} ({detail})")
+            names.append(t.capabilities.tier)
     if not bad:
-        return
+        return []
     msg = f"kvplugin: tier(s) failed their health check at start: {'; '.join(bad)}"
     if require:
         raise RuntimeError(msg + " (offload.require_tiers is true)")
     logger.warning("%s; kvplugin goes on with the others and counts the failures as "
                    "tier_errors", msg)
+    return names

@@ -155,13 +155,13 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         rank0 = _tp_rank() == 0
         self._rt = _runtime.acquire(config_file)
         try:
-            check_tiers(self._rt, config.offload.require_tiers)
+            unhealthy = check_tiers(self._rt, config.offload.require_tiers)
             # Held bytes are counted on the scheduler only when a tenant has a tier quota;
             # one worker feeds it the tiers' events.
             feed = rank0 and TierQuotas.of_policy(policy).any()
             self._worker = WorkerSide(self._rt, self._groups, layout.chunk_blocks,
                                       events=events_on and config.offload.tier_events,
-                                      feed=feed, copy_in=self._copy_in)
+                                      feed=feed, copy_in=self._copy_in, unhealthy=unhealthy)
             if rank0:
                 self._server = _lookup.LookupServer(path, self._rt, keys, layout).start()
         except BaseException:

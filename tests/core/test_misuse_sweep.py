@@ -392,8 +392,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "KVCacheManager.truncate_computed_blocks#1": _truncate_noncacheable,
     "KVCacheManager.truncate_computed_blocks#2": _truncate(20, "not a multiple"),
     "KVCacheManager.truncate_computed_blocks#3": _truncate(64, "cannot truncate 2 blocks to 4"),
-    "KVCacheManager.record_blocks_for_zeroing#1": _zeroing_unaligned,
-    "KVCacheManager.get_zeroing_block_ids_in_range#1": _zeroing_range,
+    "StepDrains.record_blocks_for_zeroing#1": _zeroing_unaligned,
+    "StepDrains.get_zeroing_block_ids_in_range#1": _zeroing_range,
     "_raise_bad_count#1": _count_type,
     "_raise_bad_count#2": _count_negative,
     "SingleTypeKVCacheManager.get_num_blocks_to_allocate#1": _group_adopt_while_running,
@@ -411,10 +411,10 @@ INTERNAL = {
     "SingleTypeKVCacheManager._apply_cow#1": "copy-on-write list out of step with the table",
     "MambaManager.allocate_new_blocks#1": "its own block count, computed just before",
     "MambaManager._relocate_passed_speculative_blocks#1": "speculative blocks it owns",
-    "MambaManager._move_own_partial_tail#1": "partial-tail bookkeeping",
-    "MambaManager._move_own_partial_tail#2": "partial-tail bookkeeping",
+    "MambaTails._move_own_partial_tail#1": "partial-tail bookkeeping",
+    "MambaTails._move_own_partial_tail#2": "partial-tail bookkeeping",
     "MambaManager.cache_blocks#1": "a cached block without its token count",
-    "MambaManager._cache_checkpoint#1": "a checkpoint slot it allocated",
+    "MambaTails._cache_checkpoint#1": "a checkpoint slot it allocated",
 }
 
 # Argument and spec checks of lookups and factories that no live manager reaches: the

@@ -105,9 +105,14 @@ def test_a_repeated_warning_is_one_line_per_interval_with_the_count(
         log.warn("tier:disk", "tier %s failed", "disk")
         now[0] += 31.0
         log.warn("tier:redis", "tier %s failed (%d)", "redis", 5)
+        log.logged("tier:memory")  # its line was written elsewhere (the start's check)
+        log.warn("tier:memory", "tier %s failed", "memory")
+        now[0] += 31.0
+        log.warn("tier:memory", "tier %s failed", "memory")
     assert [r.getMessage() for r in caplog.records] == [
         "kvplugin: tier redis failed (0)", "kvplugin: tier disk failed",
-        "kvplugin: tier redis failed (5) (4 more like it in the last 30 s)"]
+        "kvplugin: tier redis failed (5) (4 more like it in the last 30 s)",
+        "kvplugin: tier memory failed (1 more like it in the last 30 s)"]
 
 
 @pytest.mark.parametrize(("value", "loads", "stores"), [
@@ -147,3 +152,20 @@ def test_tier_quotas_and_declared_tenants_are_accepted() -> None:
     cfg = KVPluginConfig.model_validate({"tenants": {"declared": {
         "a": {"max_tier_bytes": {"memory": 1 << 20}}, "b": {}}}})
     refuse_unenforceable(cfg)  # nothing raised
+
+
+def test_every_vllm_figure_is_defined_once_in_the_metrics_doc() -> None:
+    """docs/metrics.md ("Under vLLM") defines every figure the connector exports, each on
+    one row, with the labels it carries."""
+    from pathlib import Path
+
+    from kvplugin.integrations._stats import COUNTERS, GAUGES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    for table, suffix, kind in ((COUNTERS, "_total", "counter"), (GAUGES, "", "gauge")):
+        for name, (labels, _) in table.items():
+            rows = [r for r in doc.splitlines()
+                    if r.startswith(f"| `vllm:kvplugin_{name}{suffix}` |")]
+            assert len(rows) == 1, name
+            assert rows[0].split("|")[2].strip() == kind, name
+            assert rows[0].split("|")[3].strip() == (", ".join(labels) or "\u2013"), name

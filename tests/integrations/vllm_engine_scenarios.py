@@ -48,6 +48,8 @@ FOLLOW_UP = 24
 # The KV pool: a request needs up to 12 blocks per group; the four users' histories ~40.
 POOL = {"llama": 24, "mistral": 24, "gemma3": 48}
 CONNECTOR = "KVPluginConnector"
+CHUNK_BYTES = 2 * 2 * 2 * 32 * BS * 4  # llama: layers x (K, V) x kv heads x head x tokens x 4
+QUOTA = 8 * CHUNK_BYTES  # tenant a's disk quota: a quarter of its working set
 
 
 # ------------------------------------------------------------------------------ models
@@ -274,13 +276,17 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any
 def serve_scenario(workdir: Path) -> dict[str, Any]:
     """vLLM's OpenAI server (the async serving engine) with --kv-transfer-config naming
     KVPluginConnector: a completion, four others that evict it, the same completion again
-    (its prompt tokens cached: from the tier), and kvplugin's counters on /metrics."""
+    (its prompt tokens cached: from the tier), and kvplugin's counters on /metrics. Then
+    two tenants (``cache_salt``), a's disk quota a quarter of its working set: after every
+    completion, a's bytes held on the disk tier as /metrics reports them."""
     import subprocess
     import urllib.request
 
     model = workdir / "model-llama-serve"
     make_model("llama", model)
-    cfg = kv_config(workdir, "serve", disk=workdir / "disk-serve", redis_url=None)
+    tenants = {"declared": {"default": {}, "a": {"max_tier_bytes": {"disk": QUOTA}}, "b": {}}}
+    cfg = kv_config(workdir, "serve", disk=workdir / "disk-serve", redis_url=None,
+                    tenants=tenants)
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--skip-tokenizer-init", "--block-size", str(BS), "--dtype", "float32",
@@ -306,10 +312,12 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
                 time.sleep(1)
         prompt, others = _eviction_workload()
 
-        def complete(tokens: list[int]) -> dict[str, Any]:
-            out = _post(base + "/v1/completions", {
-                "model": str(model), "prompt": tokens, "max_tokens": ANSWER,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+        def complete(tokens: list[int], salt: str | None = None) -> dict[str, Any]:
+            body = {"model": str(model), "prompt": tokens, "max_tokens": ANSWER,
+                    "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+            if salt is not None:
+                body["cache_salt"] = salt
+            out = _post(base + "/v1/completions", body)
             usage = out.get("usage") or {}
             details = usage.get("prompt_tokens_details") or {}
             return {"tokens": out["choices"][0].get("token_ids"),
@@ -320,17 +328,16 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
             complete(o)
         runs.append(complete(prompt))
         time.sleep(1.0)
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        metrics: dict[str, float] = {}
-        for line in text.splitlines():  # per name summed over labels, and per tenant
-            if line.startswith("vllm:kvplugin_") and "_created" not in line:
-                name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-                metrics[name] = metrics.get(name, 0.0) + value
-                if 'tenant="' in line:
-                    tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
-                    k = f"{name}{{tenant={tenant}}}"
-                    metrics[k] = metrics.get(k, 0.0) + value
+        metrics = _scrape(base)
+        held, outs = [], []
+        for p in round_one():
+            for salt in ("a", "b"):
+                outs.append(complete(p, salt)["tokens"])
+                time.sleep(0.3)  # the step's stats reach /metrics with the next output
+                held.append(_scrape(base).get(
+                    "vllm:kvplugin_tier_bytes_held{tenant=a,tier=disk}", 0.0))
+        time.sleep(1.0)
+        tenant_metrics = _scrape(base)
     finally:
         proc.terminate()
         try:
@@ -338,11 +345,33 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    return {"scenario": "serve", "runs": runs, "metrics": metrics}
+    return {"scenario": "serve", "runs": runs, "metrics": metrics, "held_a": held,
+            "tenant_outputs": outs, "tenant_metrics": tenant_metrics, "quota_bytes": QUOTA}
 
 
-CHUNK_BYTES = 2 * 2 * 2 * 32 * BS * 4  # llama: layers x (K, V) x kv heads x head x tokens x 4
-QUOTA = 8 * CHUNK_BYTES  # tenant a's disk quota: a quarter of its working set
+def _scrape(base: str) -> dict[str, float]:
+    """kvplugin's figures on the server's /metrics: per name summed over labels, and per
+    ``name{tenant=..}`` / ``name{tenant=..,tier=..}``."""
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:kvplugin_") or "_created" in line:
+            continue
+        name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+        out[name] = out.get(name, 0.0) + value
+        labels = []
+        for k in ("tenant", "tier"):
+            if f'{k}="' in line:
+                labels.append(f"{k}=" + line.split(f'{k}="', 1)[1].split('"', 1)[0])
+        if labels:
+            key = f"{name}{{{','.join(labels)}}}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 
 
 class _Lines:
