@@ -118,6 +118,3 @@ class Outcomes:
         first = parts[0]
         return LoadOutcome(o.req_id, first.start, first.end, min(p.verified for p in parts),
                            first.copied)
-
-    def forget_load(self, req_id: str) -> None:
-        self._loads.pop(req_id, None)

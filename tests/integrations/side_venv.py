@@ -4,10 +4,15 @@ default path their setup script uses. Missing: the test skips, or fails under
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def side_python(variable: str, venv: str, setup: str) -> str:
@@ -18,3 +23,20 @@ def side_python(variable: str, venv: str, setup: str) -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return py
+
+
+def run_scenarios(py: str, script: Path, names: list[str],
+                  timeout: float = 240) -> dict[str, dict[str, Any]]:
+    """Run ``script``'s scenarios under the side python (this checkout on PYTHONPATH,
+    vLLM's hash seed fixed): each prints one JSON record; every name must answer."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([py, str(script), *names], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            out[rec["scenario"]] = rec
+    assert sorted(out) == sorted(names), proc.stdout[-2000:]
+    return out

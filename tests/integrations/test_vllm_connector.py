@@ -8,13 +8,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from side_venv import side_python
+from side_venv import run_scenarios, side_python
 
 from kvplugin.connectors.faults import LocalRedisServer
 
@@ -54,19 +53,7 @@ def _scenarios() -> list[str]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    py = _side_python()
-    names = _scenarios()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
-    proc = subprocess.run([py, str(SCENARIOS), *names], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            out[rec["scenario"]] = rec
-    assert sorted(out) == sorted(names), proc.stdout[-2000:]
-    return out
+    return run_scenarios(_side_python(), SCENARIOS, _scenarios())
 
 
 def _check_invariants(rec: dict[str, Any], finished: list[str]) -> None:

@@ -7,16 +7,12 @@ runs its own."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from side_venv import side_python
+from side_venv import run_scenarios, side_python
 
-REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 NAMES = ["tenant_quota", "dedup", "producer", "consumer", "dead_beside"]
 CHUNK = 2048  # one 16-token chunk of the test model (vllm_tenancy.CHUNK_BYTES)
@@ -26,17 +22,7 @@ CHUNK = 2048  # one 16-token chunk of the test model (vllm_tenancy.CHUNK_BYTES)
 def results() -> dict[str, dict[str, Any]]:
     py = side_python("KVPLUGIN_VLLM_PYTHON", "kvplugin-vllm-reference",
                      "tools/setup_vllm_side_venv.sh")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
-    proc = subprocess.run([py, str(SCENARIOS), *NAMES], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            out[rec["scenario"]] = rec
-    assert sorted(out) == sorted(NAMES), proc.stdout[-2000:]
-    return out
+    return run_scenarios(py, SCENARIOS, NAMES)
 
 
 def _closed(rec: dict[str, Any]) -> None:
