@@ -3,15 +3,18 @@ attention, sliding window, chunked local, Mamba), the allocation core over them
 (:func:`build_core`: what :mod:`kvplugin.plugin` builds, and ``kvplugin run``'s engine
 through it), and whether the offload manager serves it.
 
-The model section describes the attention page (per group); a Mamba group's state has the
-shape of a Mamba-2 layer's, derived from the same numbers: a convolution state of
+The model section describes the attention page (per group); each configured kind builds its
+spec in its :mod:`kvplugin.aio.group_kinds` entry (a Mamba group's state has the shape of a
+Mamba-2 layer's, derived from the same numbers: a convolution state of
 ``(conv_width - 1, heads * head_size)`` in the model's dtype and an SSM state of
-``(heads, head_size, d_state)`` in float32 (real states mix dtypes, and the tiers must carry
+``(heads, head_size, d_state)`` in float32: real states mix dtypes, and the tiers must carry
 them byte for byte).
 """
 
 from __future__ import annotations
 
+from kvplugin.aio import group_kinds
+from kvplugin.aio.group_kinds import SpecParams
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import OffloadConfig
 from kvplugin.config import GroupConfig, LayoutConfig, ModelConfig
@@ -20,44 +23,25 @@ from kvplugin.core.hashing import HashContext
 from kvplugin.core.manager import KVCacheManager
 from kvplugin.core.metrics import KVCacheMetricsCollector
 from kvplugin.core.specs import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
     resolve_kv_cache_block_sizes,
 )
 
 __all__ = ["build_core", "engine_supports", "group_spec", "kv_cache_config"]
 
-CONV_WIDTH = 4  # a Mamba-2 causal convolution's kernel: it keeps 3 inputs as state
-D_STATE = 8  # SSM state size per head dimension (small: states are stored per boundary)
-
 
 def group_spec(g: GroupConfig, layout: LayoutConfig, model: ModelConfig) -> KVCacheSpec:
-    bs = g.block_size or layout.block_size
-    heads, head, dtype = model.num_kv_heads, model.head_size, model.dtype
-    if g.kind == "sliding_window":
-        assert g.sliding_window is not None  # the config's validator demands it
-        return SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=head,
-                                 dtype=dtype, sliding_window=g.sliding_window)
-    if g.kind == "chunked_local":
-        assert g.attention_chunk_size is not None
-        return ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=head,
-                                         dtype=dtype, attention_chunk_size=g.attention_chunk_size)
-    if g.kind == "mla":  # DeepSeek / Kimi: one latent per token, shared by the heads
-        return MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=head, dtype=dtype)
-    if g.kind == "mamba":
-        return MambaSpec(
-            block_size=bs,
-            shapes=((CONV_WIDTH - 1, heads * head), (heads, head, D_STATE)),
-            dtypes=(dtype, "float32"),
-            mamba_cache_mode=g.mode or ("align" if layout.enable_caching else "none"),
-            num_speculative_blocks=g.num_speculative_blocks or 0)
-    return FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype=dtype)
+    """The core spec of a configured group, built by the group kind the config names
+    (:func:`kvplugin.aio.group_kinds.spec_of_config`)."""
+    params = SpecParams(
+        block_size=g.block_size or layout.block_size, num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size, dtype=model.dtype, sliding_window=g.sliding_window,
+        attention_chunk_size=g.attention_chunk_size,
+        mamba_mode=g.mode or ("align" if layout.enable_caching else "none"),
+        num_speculative_blocks=g.num_speculative_blocks or 0)
+    return group_kinds.spec_of_config(g.kind, params)
 
 
 def kv_cache_config(layout: LayoutConfig, model: ModelConfig) -> KVCacheConfig:

@@ -23,12 +23,15 @@ Raise it for tiny pages, where per-object overhead dominates.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvplugin.aio.memory import GroupShape, StateShape
+from kvplugin.aio import group_kinds
 from kvplugin.connectors.keys import Namespace, ObjectKey, layout_fingerprint
+
+if TYPE_CHECKING:  # the offload ledger names objects without loading host memory (numpy)
+    from kvplugin.aio.memory import GroupShape
 
 __all__ = ["GROUP_NAMESPACE_SALT", "GroupKeying", "KeyScope", "KeySpace"]
 
@@ -65,7 +68,7 @@ class GroupKeying:
     chunk_blocks: int  # blocks per stored object
     hash_stride: int  # hash-list entries per block (group block size / hash block size)
     layout: str  # the layout fingerprint (32 hex)
-    kind: str = "full"  # "full" | "window" | "state" (see kvplugin.aio.plans)
+    kind: str = "full"  # the plan kind (kvplugin.aio.group_kinds.plan_kinds)
 
     @property
     def chunk_tokens(self) -> int:
@@ -78,6 +81,11 @@ class GroupKeying:
     def num_chunks(self, num_hashes: int) -> int:
         """Full chunks a request with ``num_hashes`` block hashes can name."""
         return num_hashes // (self.chunk_blocks * self.hash_stride)
+
+    @property
+    def chunked(self) -> bool:
+        """Stored as chunks of blocks (attention), not as one state per boundary."""
+        return group_kinds.plan_kind(self.kind).chunked
 
 
 class KeySpace:
@@ -101,11 +109,6 @@ class KeySpace:
         self._namespaces: dict[str, tuple[Namespace, ...]] = {}
         self._group_namespaces: dict[str, tuple[Namespace, ...]] = {}
         Namespace("probe", model, groups[0].layout)  # a bad model name fails here, not later
-
-    @property
-    def alignment(self) -> int:
-        """Tokens every attention group's chunks end together at."""
-        return math.lcm(*(g.chunk_tokens for g in self.groups if g.kind != "state"))
 
     def namespaces(self, tenant: str) -> tuple[Namespace, ...]:
         """The tenant's namespace per group (cached; a bad tenant name raises here)."""
@@ -137,7 +140,7 @@ class KeySpace:
                    first: int, stop: int) -> list[ObjectKey]:
         """Keys of chunks ``[first, stop)`` of ``group`` for a request's hash list."""
         g = self.groups[group]
-        if g.kind == "state":
+        if not g.chunked:
             raise ValueError(f"group {group} stores states, not chunks")
         if stop > g.num_chunks(len(block_hashes)):
             raise ValueError(f"chunk {stop - 1} of group {group} is not complete yet")
@@ -151,7 +154,7 @@ class KeySpace:
     def state_key(self, scope: str | KeyScope, group: int, block_hashes: Sequence[bytes],
                   boundary: int) -> ObjectKey:
         """The key of ``group``'s state at ``boundary`` tokens of a request's hash list."""
-        if self.groups[group].kind != "state":
+        if self.groups[group].chunked:
             raise ValueError(f"group {group} stores chunks, not states")
         n = boundary // self.hash_block_size
         if boundary <= 0 or boundary % self.hash_block_size or n > len(block_hashes):
@@ -160,20 +163,8 @@ class KeySpace:
 
 
 def _fingerprint(shape: GroupShape, chunk_blocks: int) -> str:
-    """What makes a group's stored bytes (in)compatible. Full attention keeps slice 1's
-    fields exactly, so objects stored before hybrid support still match."""
-    if isinstance(shape, StateShape):
-        return layout_fingerprint(kind="mamba_state", dims=shape.dims,
-                                  page_bytes=shape.page_bytes, block_size=shape.block_size,
-                                  tensors=shape.shapes, dtypes=shape.dtypes)
-    if shape.kind == "local":
-        return layout_fingerprint(kind="chunked_local", dtype=shape.dtype, dims=shape.dims,
-                                  page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks,
-                                  attention_chunk_size=shape.local_chunk)
-    if shape.kind == "window":
-        return layout_fingerprint(kind="sliding_window", dtype=shape.dtype, dims=shape.dims,
-                                  page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks,
-                                  window_tokens=shape.window_tokens)
-    kind = "mla_attention" if shape.kv_parts == 1 else "full_attention"
-    return layout_fingerprint(kind=kind, dtype=shape.dtype, dims=shape.dims,
-                              page_bytes=shape.page_bytes, chunk_blocks=chunk_blocks)
+    """What makes a group's stored bytes (in)compatible: its kind's name and the fields
+    its registry entry names (:mod:`kvplugin.aio.group_kinds`). Full attention keeps slice
+    1's fields exactly, so objects stored before hybrid support still match."""
+    kind = shape.group_kind
+    return layout_fingerprint(kind=kind.name, **kind.fingerprint(shape, chunk_blocks))

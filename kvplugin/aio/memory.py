@@ -2,9 +2,9 @@
 
 One numpy array per KV-cache group, one row per block id (all groups share the core's block
 id space, as vLLM's tensors do), each row one page of raw bytes: K and V of every layer for
-an attention group (full or sliding window), the recurrent state of every layer for a Mamba
-group. Stores read rows out, loads copy verified bytes in; the core never sees any of it, it
-only hands out the ids.
+an attention group, the recurrent state of every layer for a Mamba group (what each kind
+of group holds: :mod:`kvplugin.aio.group_kinds`). Stores read rows out, loads copy verified
+bytes in; the core never sees any of it, it only hands out the ids.
 
 Rows are raw ``uint8``: the page layout (``PageShape.dims`` in ``dtype``) is described to the
 tiers through the stored object's metadata and the layout fingerprint, never interpreted here.
@@ -13,35 +13,50 @@ tiers through the stored object's metadata and the layout fingerprint, never int
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvplugin.aio import plans
+from kvplugin.aio import group_kinds, plans
+from kvplugin.aio.group_kinds import GroupKind
 from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
-from kvplugin.core.specs import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
+from kvplugin.core.specs import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from kvplugin.serde import DTYPE_SIZES
 
-__all__ = ["GroupShape", "HostKVMemory", "PageShape", "StateShape", "layout_of", "shape_of_group"]
+__all__ = ["GroupShape", "HostKVMemory", "PageShape", "StateShape", "layout_of", "shape_of_group",
+           "shape_of_kind"]
 
 Rows = np.ndarray[Any, np.dtype[np.uint8]]
 
+# The PageShape fields that can hold a group's token span (one at most is set).
+_SPAN_FIELDS = ("window", "local_chunk")
+
+
+class _OfKind:
+    """What a page or a state says of its kind: its entry in the registry (``family``)."""
+
+    __slots__ = ()
+    family: str
+
+    @property
+    def group_kind(self) -> GroupKind:
+        return group_kinds.get(self.family)
+
+    @property
+    def kind(self) -> str:
+        """The group kind in the offload plans (:func:`group_kinds.plan_kinds`)."""
+        return self.group_kind.plan.name
+
 
 @dataclass(frozen=True, slots=True)
-class PageShape:
+class PageShape(_OfKind):
     """The bytes of one block of one attention group: K and V for every layer, or for
     multi-head latent attention (MLA, ``kv_parts=1``) the one latent vector per token.
-    ``window``: the sliding window (tokens), 0 for full attention."""
+    ``window``: the sliding window (tokens), 0 for full attention. ``family``: the
+    :class:`~kvplugin.aio.group_kinds.GroupKind` (its name); a page built field by field
+    leaves it empty and gets the kind its K/V parts and span field describe."""
 
     num_layers: int
     num_kv_heads: int
@@ -52,6 +67,7 @@ class PageShape:
     extra_retained: int = 0
     kv_parts: int = 2  # 2: K and V; 1: MLA's latent (no separate V)
     local_chunk: int = 0  # chunked local attention: its attention chunk (tokens), else 0
+    family: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -69,42 +85,34 @@ class PageShape:
                              f"local_chunk must be >= 0, got {self.local_chunk!r}")
         if self.kv_parts not in (1, 2):
             raise ValueError(f"PageShape.kv_parts must be 1 (MLA) or 2, got {self.kv_parts!r}")
+        span = next((f for f in _SPAN_FIELDS if getattr(self, f)), "")
+        if not self.family:
+            object.__setattr__(self, "family", group_kinds.kind_of_page(self.kv_parts, span).name)
+        kind = self.group_kind
+        if (kind.kv_parts, kind.span_field) != (self.kv_parts, span):
+            raise ValueError(f"PageShape: a {kind.name} page has {kind.kv_parts} K/V parts and "
+                             f"span field {kind.span_field!r}, got {self.kv_parts} and {span!r}")
 
     @classmethod
     def of_group(cls, group: KVCacheGroupSpec) -> PageShape:
         """The page of an attention group (one layer per name in the group)."""
-        spec = group.kv_cache_spec
-        if type(spec) is MLAAttentionSpec:  # decides like full attention, one latent
-            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
-                       spec.block_size, kv_parts=1)
-        if type(spec) is FullAttentionSpec:
-            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
-                       spec.block_size)
-        if type(spec) is SlidingWindowSpec:
-            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
-                       spec.block_size, spec.sliding_window, spec.extra_retained_tokens)
-        if type(spec) is ChunkedLocalAttentionSpec:  # Llama 4: attends within its chunk
-            return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
-                       spec.block_size, local_chunk=spec.attention_chunk_size)
-        raise ValueError(f"host memory for {spec.kind} groups is not supported; "
-                         "offload takes full-attention, MLA, sliding-window, chunked local "
-                         "and Mamba groups")
-
-    @property
-    def kind(self) -> str:
-        """The group kind in the offload plans (``kvplugin.aio.plans.KINDS``)."""
-        if self.local_chunk:
-            return "local"
-        return "window" if self.window else "full"
+        shape = shape_of_group(group)
+        if not isinstance(shape, PageShape):
+            raise ValueError(f"{group.kv_cache_spec.kind} group: its blocks hold states")
+        return shape
 
     @property
     def window_tokens(self) -> int:
         """The group's token span in the plans (:class:`kvplugin.aio.plans.Layout`): a
         window group keeps this many tokens behind the next one, a chunked local group
         attends within chunks of this many; 0 for full attention."""
-        if self.local_chunk:
-            return self.local_chunk
-        return self.window - 1 + self.extra_retained if self.window else 0
+        return self.group_kind.span_tokens(self)
+
+    def skipped_blocks(self, num_tokens: int) -> int:
+        """Leading blocks the core leaves null at ``num_tokens`` computed tokens (blocks
+        that left the window, chunks before the current one); 0 without a span."""
+        return self.group_kind.plan.skipped_blocks(num_tokens, self.window_tokens,
+                                                   self.block_size)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -122,7 +130,7 @@ class PageShape:
 
 
 @dataclass(frozen=True, slots=True)
-class StateShape:
+class StateShape(_OfKind):
     """The bytes of one block of a Mamba group: every layer's recurrent state at one token
     boundary, raw bytes (a layer's tensors may mix dtypes), ``dims = (layers, bytes)``."""
 
@@ -131,31 +139,30 @@ class StateShape:
     block_size: int
     shapes: tuple[tuple[int, ...], ...] = ()  # the tensors, for the layout fingerprint
     dtypes: tuple[str, ...] = ()
+    family: str = ""  # the group kind (empty: the state kind pages are recognised as)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "layer_bytes", "block_size"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"StateShape.{name} must be a positive int, got {value!r}")
+        if not self.family:
+            object.__setattr__(self, "family", group_kinds.kind_of_page(0, "").name)
+        if self.group_kind.plan.chunked:
+            raise ValueError(f"StateShape: {self.family} groups hold pages, not states")
 
     @classmethod
-    def of_group(cls, group: KVCacheGroupSpec) -> StateShape:
-        spec = group.kv_cache_spec
-        if not isinstance(spec, MambaSpec) or spec.mamba_cache_mode != "align":
-            raise ValueError(f"{spec.kind} group: only Mamba 'align' states are offloaded")
-        if len(spec.shapes) != len(spec.dtypes):
-            raise ValueError("MambaSpec needs one dtype per state tensor")
+    def of_tensors(cls, num_layers: int, block_size: int, shapes: tuple[tuple[int, ...], ...],
+                   dtypes: tuple[str, ...], family: str = "") -> StateShape:
+        """The state of layers holding one tensor per ``shapes[i]`` in ``dtypes[i]``."""
+        if len(shapes) != len(dtypes):
+            raise ValueError("a state needs one dtype per state tensor")
         layer = 0
-        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        for shape, dtype in zip(shapes, dtypes, strict=True):
             if dtype not in DTYPE_SIZES:
                 raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
             layer += math.prod(shape) * DTYPE_SIZES[dtype]
-        return cls(len(group.layer_names), layer, spec.block_size, tuple(spec.shapes),
-                   tuple(spec.dtypes))
-
-    @property
-    def kind(self) -> str:
-        return "state"
+        return cls(num_layers, layer, block_size, shapes, dtypes, family)
 
     @property
     def dtype(self) -> str:
@@ -178,10 +185,20 @@ GroupShape = PageShape | StateShape
 
 
 def shape_of_group(group: KVCacheGroupSpec) -> GroupShape:
-    """The host page of any group offload supports (raises for the others)."""
-    if isinstance(group.kv_cache_spec, MambaSpec):
-        return StateShape.of_group(group)
-    return PageShape.of_group(group)
+    """The host page of any group offload serves (raises with the reason for the others)."""
+    spec = group.kv_cache_spec
+    return shape_of_kind(group_kinds.of_spec(spec), spec, len(group.layer_names))
+
+
+def shape_of_kind(kind: GroupKind, spec: KVCacheSpec | Any, num_layers: int,
+                  dtype: Callable[[Any], str] = str) -> GroupShape:
+    """``kind``'s page for ``spec`` (a core spec, or vLLM's: ``dtype`` names its dtypes)
+    over ``num_layers`` layers: attention pages for a chunked kind, a state otherwise."""
+    fields = kind.page(spec, dtype)
+    if kind.plan.chunked:
+        return PageShape(num_layers=num_layers, kv_parts=kind.kv_parts, family=kind.name,
+                         **fields)
+    return StateShape.of_tensors(num_layers, family=kind.name, **fields)
 
 
 class HostKVMemory:
@@ -276,7 +293,7 @@ def layout_of(shapes: Sequence[GroupShape], chunk_blocks: int, state_unit: int
     """The offload layout of these pages (:class:`plans.Layout`), both engines'.
     ``state_unit``: where the engine's hits can land (the core's lookup unit; vLLM's
     ``cache_hit_alignment_tokens``), so a state boundary is one the engine can resume at."""
-    has_state = any(s.kind == "state" for s in shapes)
+    has_state = any(not s.group_kind.plan.chunked for s in shapes)
     return plans.Layout(tuple(s.block_size for s in shapes), chunk_blocks,
                         tuple(s.kind for s in shapes), tuple(s.window_tokens for s in shapes),
                         state_unit if has_state else 0)

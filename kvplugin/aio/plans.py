@@ -4,12 +4,14 @@ The manager gathers the facts (the local hit, what a lookup found, what a load r
 how far a request has computed), asks these functions what to do, and carries it out. Token
 counts are absolute positions in the request; chunk indices count from the request's start.
 
-Three kinds of group (:class:`Layout`):
+Four kinds of group (:class:`Layout`; their behaviour is registered in
+:mod:`kvplugin.aio.group_kinds`, which maps every KV-cache spec offload serves to one):
 
-* ``"full"`` — full attention: every block before a hit is needed, stored as chunks of
-  ``chunk_blocks`` blocks keyed by the chain hash of their last block;
-* ``"window"`` — sliding window: stored like full attention, but a hit at N needs only the
-  blocks of the window before N (the core puts null blocks elsewhere, nothing to load);
+* ``"full"`` — full attention (and MLA): every block before a hit is needed, stored as
+  chunks of ``chunk_blocks`` blocks keyed by the chain hash of their last block;
+* ``"window"`` — sliding window (and sliding-window MLA): stored like full attention, but a
+  hit at N needs only the blocks of the window before N (the core puts null blocks
+  elsewhere, nothing to load);
 * ``"local"`` — chunked local attention (Llama 4): the same, the blocks needed being those
   of N's own attention chunk, ``[N // C * C, N)``;
 * ``"state"`` — Mamba "align": a hit at N needs the recurrent state at exactly N, one
@@ -28,10 +30,11 @@ import math
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
+from kvplugin.aio import group_kinds
+from kvplugin.aio.group_kinds import PlanKind
 from kvplugin.core.single_type.mamba_checkpoints import prefill_checkpoint_position
 
 __all__ = [
-    "KINDS",
     "ChunkLoad",
     "ChunkOffer",
     "ChunkOffers",
@@ -60,14 +63,13 @@ __all__ = [
     "verified_end",
 ]
 
-KINDS = ("full", "window", "local", "state")
-
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Per group: block size, kind, and its token span (a window group: the tokens kept
-    behind the next one; a chunked local group: its attention chunk); blocks per stored
-    chunk; the token unit a state boundary is a multiple of."""
+    """Per group: block size, plan kind (:func:`group_kinds.plan_kinds`), and its token
+    span (a window group: the tokens kept behind the next one; a chunked local group: its
+    attention chunk); blocks per stored chunk; the token unit a state boundary is a
+    multiple of."""
 
     block_sizes: tuple[int, ...]
     chunk_blocks: int
@@ -75,6 +77,7 @@ class Layout:
     window_tokens: tuple[int, ...] = ()  # window: sliding_window - 1 + extra retained;
     # local: attention_chunk_size; 0 for the others
     state_unit: int = 0  # the core's hit alignment; needed when a group is a state
+    plan_kinds: tuple[PlanKind, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.block_sizes)
@@ -83,20 +86,20 @@ class Layout:
         if self.chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be positive, got {self.chunk_blocks!r}")
         if not self.kinds:
-            object.__setattr__(self, "kinds", ("full",) * n)
+            object.__setattr__(self, "kinds", (group_kinds.FULL.name,) * n)
         if not self.window_tokens:
             object.__setattr__(self, "window_tokens", (0,) * n)
         if len(self.kinds) != n or len(self.window_tokens) != n:
             raise ValueError("kinds and window_tokens need one entry per group")
-        if any(k not in KINDS for k in self.kinds):
-            raise ValueError(f"group kinds must be in {KINDS}, got {self.kinds!r}")
-        if all(k == "state" for k in self.kinds):
-            raise ValueError("a layout needs at least one attention (full, window or local) "
-                             "group")
-        if "state" in self.kinds and self.state_unit < 1:
+        kinds = tuple(group_kinds.plan_kind(k) for k in self.kinds)  # unknown: raises
+        object.__setattr__(self, "plan_kinds", kinds)
+        if not any(p.chunked for p in kinds):
+            raise ValueError("a layout needs at least one attention (chunked: full, window, "
+                             "local, ...) group")
+        if not all(p.chunked for p in kinds) and self.state_unit < 1:
             raise ValueError("a layout with a state group needs a positive state_unit")
-        for g, k in enumerate(self.kinds):
-            if (k in ("window", "local")) != (self.window_tokens[g] > 0):
+        for g, p in enumerate(kinds):
+            if p.spanned != (self.window_tokens[g] > 0):
                 raise ValueError(f"group {g}: only window and local groups have (and need) "
                                  f"a token span")
 
@@ -106,7 +109,7 @@ class Layout:
 
     def chunked(self, group: int) -> bool:
         """Whether the group is stored as chunks of blocks (attention), not as states."""
-        return self.kinds[group] != "state"
+        return self.plan_kinds[group].chunked
 
     @property
     def chunked_groups(self) -> tuple[int, ...]:
@@ -118,8 +121,9 @@ class Layout:
 
     @property
     def all_full(self) -> bool:
-        """Every group is full attention: any verified prefix is a valid resume point."""
-        return all(k == "full" for k in self.kinds)
+        """Every group resumes anywhere (full attention): any verified prefix is a valid
+        resume point."""
+        return all(p.resume_anywhere for p in self.plan_kinds)
 
     def chunk_tokens(self, group: int) -> int:
         return self.block_sizes[group] * self.chunk_blocks
@@ -143,17 +147,13 @@ class Layout:
         """Leading blocks of a window or local group the core leaves null at
         ``num_tokens`` computed tokens (the core's ``get_num_skipped_tokens //
         block_size``); 0 for the others."""
-        span = self.window_tokens[group]
-        if not span:
-            return 0
-        if self.kinds[group] == "local":
-            return num_tokens // span * span // self.block_sizes[group]
-        return max(0, num_tokens - span) // self.block_sizes[group]
+        return self.plan_kinds[group].skipped_blocks(num_tokens, self.window_tokens[group],
+                                                self.block_sizes[group])
 
     @property
     def has_null_blocks(self) -> bool:
         """A window or local group: blocks before a resume point may be null."""
-        return any(k in ("window", "local") for k in self.kinds)
+        return any(p.spanned for p in self.plan_kinds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,6 +278,12 @@ class FakeModel:
             raise TypeError(f"group {group} holds states, not attention pages")
         return shape
 
+    def _state_shape(self, group: int) -> StateShape:
+        shape = self.memory.shapes[group]
+        if not isinstance(shape, StateShape):
+            raise TypeError(f"group {group} holds attention pages, not states")
+        return shape
+
     def _is_state(self, group: int) -> bool:
         return isinstance(self.memory.shapes[group], StateShape)
 
@@ -398,8 +404,7 @@ class FakeModel:
     def _state(self, group: int, value: Pages) -> Pages:
         """The state page after the token whose value is ``value``: (layer, bytes), the
         value xor'ed with the layer's template, repeated across the layer's bytes."""
-        shape = self.memory.shapes[group]
-        assert isinstance(shape, StateShape)
+        shape = self._state_shape(group)
         reps = -(-shape.layer_bytes // _VALUE)
         raw = value.reshape(1, 1, _VALUE) ^ self._templates[group]
         full = np.broadcast_to(raw, (shape.num_layers, reps, _VALUE))
@@ -443,12 +448,9 @@ class FakeModel:
         bs = shape.block_size
         first, stop = start // bs, end // bs
         # Token `end` attends to [end - window + 1, end] (chunked local: to its own chunk,
-        # [end // C * C, end]): blocks wholly before that may be null; every later one must
-        # hold its KV.
-        if shape.local_chunk:
-            needed = end // shape.local_chunk * shape.local_chunk // bs
-        else:
-            needed = (end - shape.window + 1) // bs if shape.window else 0
+        # [end // C * C, end]): blocks wholly before that may be null (what the group's
+        # kind says the core skips); every later one must hold its KV.
+        needed = shape.skipped_blocks(end)
         blocks = [b for b in range(first, stop) if ids[b] or b >= needed]
         live = [b for b in blocks if ids[b]]
         bad = len(blocks) - len(live)  # a null block inside the window: KV nobody wrote

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvplugin.aio import group_kinds
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.values import Admission, Lookup
 from kvplugin.core.events import MEDIUM_GPU, KVCacheEvent
@@ -172,7 +173,7 @@ class Engine(LoadWaits):
         self._pool_blocks = pool
         self._block_sizes = [s.block_size for s in mgr.memory.shapes]
         self._state_block_sizes = [s.block_size for s in mgr.memory.shapes
-                                   if s.kind == "state"]
+                                   if not group_kinds.plan_kind(s.kind).chunked]
 
     def _publish(self, events: list[KVCacheEvent]) -> None:
         if not events:

@@ -1,10 +1,11 @@
 """vLLM's KV-cache groups as kvplugin pages, and the copies between vLLM's tensors and them.
 
-A group's page is what the native manager stores for it (:mod:`kvplugin.aio.memory`), so
-the layout fingerprint, and with it every key, is the native one:
+A group's page is what the native manager stores for it (:mod:`kvplugin.aio.memory`, built
+by the same :mod:`kvplugin.aio.group_kinds` entry, which names the vLLM spec classes it
+serves), so the layout fingerprint, and with it every key, is the native one:
 
-* full attention / sliding window: one page per block, ``(K/V, layer, slot, head, dim)``;
-  MLA the same with the latent alone on the K/V axis;
+* attention (full, sliding window, chunked local): one page per block,
+  ``(K/V, layer, slot, head, dim)``; MLA the same with the latent alone on the K/V axis;
 * Mamba "align": one page per state, ``(layer, bytes)``: each layer's state tensors packed
   back to back, as vLLM lays a Mamba layer's block out (the states first, then padding).
 
@@ -25,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from kvplugin.aio.memory import GroupShape, PageShape, StateShape
+from kvplugin.aio import group_kinds
+from kvplugin.aio.memory import GroupShape, StateShape, shape_of_kind
 from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 
 __all__ = ["DTYPES", "GroupIO", "PageMap", "group_ios", "map_groups", "pages_in", "pages_out"]
@@ -73,44 +75,31 @@ def _check_dense(gid: int, spec: Any, mla: bool = False) -> None:
 
 def group_ios(groups: Sequence[Any]) -> list[GroupIO]:
     """The page of every group, or a ValueError naming the first one kvplugin cannot serve
-    (chunked local attention, MLA, Mamba outside "align" mode, ...)."""
+    (a spec class no group kind maps for vLLM, Mamba outside "align" mode, ...)."""
     iface = importlib.import_module("vllm.v1.kv_cache_interface")
+    served = [k for k in group_kinds.kinds() if k.vllm]
+    by_class = {getattr(iface, name): k for k in served for name in k.vllm}
     out = []
     for gid, group in enumerate(groups):
         spec, layers = group.kv_cache_spec, tuple(group.layer_names)
-        shape: GroupShape
-        if type(spec) in (iface.FullAttentionSpec, iface.SlidingWindowSpec,
-                          iface.ChunkedLocalAttentionSpec):
-            _check_dense(gid, spec)
-        if type(spec) is iface.MLAAttentionSpec:
-            _check_dense(gid, spec, mla=True)
-            shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
-                              _dtype_name(spec.dtype), spec.block_size, kv_parts=1)
-        elif type(spec) is iface.FullAttentionSpec:
-            shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
-                              _dtype_name(spec.dtype), spec.block_size)
-        elif type(spec) is iface.ChunkedLocalAttentionSpec:  # Llama 4's local layers
-            shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
-                              _dtype_name(spec.dtype), spec.block_size,
-                              local_chunk=spec.attention_chunk_size)
-        elif type(spec) is iface.SlidingWindowSpec:
-            shape = PageShape(len(layers), spec.num_kv_heads, spec.head_size,
-                              _dtype_name(spec.dtype), spec.block_size, spec.sliding_window,
-                              spec.extra_retained_tokens)
-        elif type(spec) is iface.MambaSpec and spec.mamba_cache_mode == "align":
-            shapes = tuple(tuple(int(d) for d in s) for s in spec.shapes)
-            shape = StateShape(len(layers), spec.state_content_size_bytes, spec.block_size,
-                               shapes, tuple(_dtype_name(d) for d in spec.dtypes))
-        else:
+        kind = by_class.get(type(spec))  # the exact class, as the native registry
+        if kind is None or kind.refuse(spec) is not None:
             mode = getattr(spec, "mamba_cache_mode", None)
-            kind = type(spec).__name__ + (f" (mamba_cache_mode={mode!r})" if mode else "")
-            raise ValueError(f"KVPluginConnector serves full-attention, MLA, sliding-window, "
-                             f"chunked local and Mamba 'align' groups; group {gid} is {kind}")
+            name = type(spec).__name__ + (f" (mamba_cache_mode={mode!r})" if mode else "")
+            raise ValueError(f"KVPluginConnector serves {group_kinds.served_labels(tuple(served))}"
+                             f" groups; group {gid} is {name}")
+        if kind.plan.chunked:
+            _check_dense(gid, spec, mla=kind.kv_parts == 1)
+        shape = shape_of_kind(kind, spec, len(layers), _dtype_name)
+        if isinstance(shape, StateShape) and shape.layer_bytes != spec.state_content_size_bytes:
+            # kvplugin sizes a state from its tensors; vLLM's layout must agree byte for byte
+            raise ValueError(f"KVPluginConnector: group {gid}: vLLM's state holds "
+                             f"{spec.state_content_size_bytes} bytes per layer, its tensors "
+                             f"{shape.layer_bytes}")
         out.append(GroupIO(gid, shape, layers))
     if all(g.is_state for g in out):
         raise ValueError("KVPluginConnector needs at least one attention group")
     return out
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from typing import Any
 
 from kvplugin.aio.memory import layout_of
 from kvplugin.aio.offload_ledger import OffloadLedger, TierQuotas
+from kvplugin.aio.plans import Layout
 from kvplugin.config import KVPluginConfig
 from kvplugin.integrations import _lookup, _runtime
 from kvplugin.integrations._groups import GroupIO, group_ios, map_groups, pages_in
@@ -309,7 +310,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
 
 def _scheduler_side(vllm_config: Any, kv_cache_config: Any, config: KVPluginConfig,
-                    layout: Any, keys: Any, policy: Any, extra: dict[str, Any], role: KVRole,
+                    layout: Layout, keys: Any, policy: Any, extra: dict[str, Any], role: KVRole,
                     lookups: _lookup.LookupClient, events_on: bool,
                     groups: list[GroupIO]) -> SchedulerSide:
     """The scheduler half over a tracked offload ledger: the store budget, deduplication
@@ -329,7 +330,7 @@ def _scheduler_side(vllm_config: Any, kv_cache_config: Any, config: KVPluginConf
     # attend over the null blocks before the loaded window). That can only be reported
     # for an async load (failed_recving applies to requests waiting for remote KVs), so
     # such layouts load asynchronously.
-    per_request = len(groups) > 1 or any(g.shape.kind in ("window", "local") for g in groups)
+    per_request = len(groups) > 1 or layout.has_null_blocks
     return SchedulerSide(
         ledger, lookups, policy=policy, default_tenant=str(extra.get("default_tenant",
                                                                      "default")),

@@ -270,7 +270,7 @@ class Gated(Connector):
 
     def __init__(self, inner: Connector) -> None:
         self.inner = inner
-        self.name = f"gated-{inner.name}"
+        self.name = inner.name  # it stands in for the tier, under its name
         self.capabilities = inner.capabilities
         self.gates = {op: asyncio.Event() for op in ("lookup", "get", "put")}
         self.entered = {op: asyncio.Event() for op in self.gates}
@@ -320,3 +320,24 @@ def job_task(kind: str, request_id: str) -> asyncio.Task[Any]:
     found = [t for t in asyncio.all_tasks() if t.get_name() == f"kv-{kind}-{request_id}"]
     assert len(found) == 1, found
     return found[0]
+
+
+async def load_window_of_40(mgr: AsyncKVManager, model: FakeModel,
+                            prompt: Sequence[int]) -> Request:
+    """A request extending the stored 40-token ``prompt`` over a full group and an
+    8-token window group (blocks of 4), its device cache evicted: the whole prefix is
+    claimed from the tier, the full group's 10 blocks and only the window's last 2 loaded
+    (checked against the model), the blocks before the window left null."""
+    b = mgr.new_request("b", [*prompt, 1, 2, 3], tenant="acme")
+    found = await mgr.lookup(b)
+    assert (found.local_tokens, found.external_tokens) == (0, 40)
+    adm = mgr.allocate(b, found)
+    assert adm is not None and adm.loading
+    await mgr.wait_load(b)
+    full, window = mgr.core.get_block_ids("b")
+    # The window before token 40 (7 tokens) lies in blocks 8 and 9; the rest is null.
+    assert len(full) == 10 and 0 not in full
+    assert window[:8] == [0] * 8 and 0 not in window[8:10]
+    assert model.check_pages(b, 40) == 10 + 2
+    assert mgr.stats().loaded_chunks == 10 + 2
+    return b

@@ -9,6 +9,7 @@ from aio_testlib import (
     FakeModel,
     clean,
     evict_device_cache,
+    load_window_of_40,
     make_hybrid,
     proceed,
     serve,
@@ -58,18 +59,7 @@ async def test_sliding_window_loads_only_the_window() -> None:
         model = FakeModel(mgr)
         await _stored(mgr, model, P40, budget=12)
         evict_device_cache(mgr)
-        b = mgr.new_request("b", [*P40, 1, 2, 3], tenant="acme")
-        found = await mgr.lookup(b)
-        assert (found.local_tokens, found.external_tokens) == (0, 40)
-        adm = mgr.allocate(b, found)
-        assert adm is not None and adm.loading
-        await mgr.wait_load(b)
-        full, window = mgr.core.get_block_ids("b")
-        # The window before token 40 (7 tokens) lies in blocks 8 and 9; the rest is null.
-        assert len(full) == 10 and 0 not in full
-        assert window[:8] == [0] * 8 and 0 not in window[8:10]
-        assert model.check_pages(b, 40) == 10 + 2
-        assert mgr.stats().loaded_chunks == 10 + 2
+        b = await load_window_of_40(mgr, model, P40)
         rest = mgr.allocate(b)
         assert rest is not None
         model.step(b, rest.num_new_tokens)  # reads the loaded window: checked

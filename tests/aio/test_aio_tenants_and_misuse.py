@@ -165,8 +165,11 @@ def test_construction_rejects_what_cannot_be_offloaded() -> None:
     AsyncKVManager(_core([full, mamba]), conn, cfg)
     AsyncKVManager(_core([full, local]), conn, cfg)  # Llama 4's chunked local layers too
     swa_mla = KVCacheGroupSpec(["l3"], SlidingWindowMLASpec(block_size=4, sliding_window=8))
-    with pytest.raises(ValueError, match="sliding_window_mla groups is not supported"):
-        AsyncKVManager(_core([full, swa_mla]), conn, cfg)
+    AsyncKVManager(_core([full, swa_mla]), conn, cfg)  # its own kind (test_aio_group_kinds)
+    replayed = KVCacheGroupSpec(["l3"], SlidingWindowMLASpec(block_size=4, sliding_window=8,
+                                                             bounded_replay=True))
+    with pytest.raises(ValueError, match="sliding_window_mla groups is not supported: bounded"):
+        AsyncKVManager(_core([full, replayed]), conn, cfg)
     with pytest.raises(ValueError, match="at least one attention"):
         AsyncKVManager(_core([mamba]), conn, cfg)
     with pytest.raises(ValueError, match="prefix caching"):
