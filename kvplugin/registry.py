@@ -18,12 +18,12 @@ exists.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint
 from typing import Any
 
+from kvplugin.connectors import plugins
 from kvplugin.connectors.base import Connector
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "kvplugin.connectors"
 Factory = Callable[..., Connector]
 
+# In tier order, fastest first: kvplugin.config.TIER_KINDS is these keys, in this order.
 BUILTINS: dict[str, str] = {
     "memory": "kvplugin.connectors.memory:MemoryConnector",
     "disk": "kvplugin.connectors.disk:DiskConnector",
@@ -81,12 +82,7 @@ def register(name: str, factory: Factory) -> None:
 
 def discover() -> dict[str, list[EntryPoint]]:
     """The ``kvplugin.connectors`` entry points of the installed packages, by name."""
-    out: dict[str, list[EntryPoint]] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        same = out.setdefault(ep.name, [])
-        if all(e.value != ep.value for e in same):  # one package seen twice is harmless
-            same.append(ep)
-    return out
+    return plugins.discover(ENTRY_POINT_GROUP)
 
 
 def available() -> dict[str, str]:
@@ -95,15 +91,10 @@ def available() -> dict[str, str]:
     for name, eps in discover().items():
         if name not in out:
             out[name] = "entry point (" + " | ".join(
-                f"{e.value} from {_dist(e)}" for e in eps) + ")"
+                f"{e.value} from {plugins.dist_name(e)}" for e in eps) + ")"
     for name, factory in _registered.items():
         out.setdefault(name, f"registered ({getattr(factory, '__qualname__', factory)!r})")
     return out
-
-
-def _dist(ep: EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    return getattr(dist, "name", None) or "an unnamed package"
 
 
 def _known() -> str:
@@ -111,30 +102,10 @@ def _known() -> str:
 
 
 def _import(target: str, kind: str) -> Any:
-    module, _, attr = target.partition(":")
-    if not module or not attr:
-        raise RegistryError(f"connector kind {kind!r}: {target!r} is not a module:attr string")
     try:
-        obj: Any = importlib.import_module(module)
-    except Exception as e:  # missing, or broken: either way the kind does not resolve
-        raise RegistryError(f"connector kind {kind!r}: cannot import {module!r}: "
-                            f"{type(e).__name__}: {e}{_renamed_hint(module)}") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RegistryError(f"connector kind {kind!r}: module {module!r} has no "
-                                f"{attr!r}") from None
-    return obj
-
-
-def _renamed_hint(module: str) -> str:
-    # kvplugin's connectors were a top-level ``connectors`` package before 0.1 shipped; a
-    # config written then names e.g. connectors.disk:DiskConnector (which, in an environment
-    # with PyPI's unrelated ``connectors``, would import that one instead).
-    if module == "connectors" or module.startswith("connectors."):
-        return f" (kvplugin's connectors are kvplugin.{module})"
-    return ""
+        return plugins.import_target(target, f"connector kind {kind!r}")
+    except plugins.PluginError as e:
+        raise RegistryError(str(e)) from None
 
 
 def resolve(kind: str) -> Factory:
@@ -150,14 +121,10 @@ def resolve(kind: str) -> Factory:
         if not eps:
             raise RegistryError(f"unknown connector kind {kind!r}; known kinds: {_known()}; "
                                 f"or give a module:Class string")
-        if len(eps) > 1:
-            raise RegistryError(f"connector kind {kind!r} is declared by several packages: "
-                                + ", ".join(f"{e.value} ({_dist(e)})" for e in eps))
         try:
-            factory = eps[0].load()
-        except Exception as e:  # a broken third-party package: say which, and why
-            raise RegistryError(f"connector kind {kind!r}: entry point {eps[0].value} "
-                                f"({_dist(eps[0])}) does not load: {e!r}") from None
+            factory = plugins.load_entry_point(eps, f"connector kind {kind!r}")
+        except plugins.PluginError as e:
+            raise RegistryError(str(e)) from None
     if not callable(factory):
         raise RegistryError(f"connector kind {kind!r} resolves to {factory!r}, which is not "
                             "callable (a Connector class or factory)")

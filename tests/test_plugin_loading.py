@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import os
 import sys
-from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_testlib import example, install_package
 
 from kvplugin import registry
 from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.config import ConfigError, load_config, validate
+from kvplugin.connectors import plugins
 from kvplugin.connectors.disk import DiskConnector
 from kvplugin.connectors.memory import MemoryConnector
 from kvplugin.connectors.tiered import TieredConnector
@@ -48,15 +48,6 @@ def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith("KVPLUGIN_"):
             monkeypatch.delenv(name)
     monkeypatch.setattr(registry, "_registered", {})
-
-
-def example() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "engine_integration", REPO / "examples" / "engine_integration.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
@@ -277,7 +268,7 @@ def fake_entry_points(*eps: tuple[str, str]) -> Any:
 
 def test_entry_points_resolve_and_unknown_names_list_what_exists(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(registry, "entry_points", fake_entry_points(
+    monkeypatch.setattr(plugins, "entry_points", fake_entry_points(
         ("tiny", f"{MODULE}:TinyConnector"), ("tiny", f"{MODULE}:TinyConnector")))
     assert registry.resolve("tiny") is TinyConnector  # declared twice, identically: harmless
     conn = registry.create("tiny", {"capacity_kb": 8})
@@ -293,7 +284,7 @@ def test_entry_points_resolve_and_unknown_names_list_what_exists(
 
 
 def test_conflicting_entry_points_are_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "entry_points", fake_entry_points(
+    monkeypatch.setattr(plugins, "entry_points", fake_entry_points(
         ("tiny", f"{MODULE}:TinyConnector"), ("tiny", "otherpkg:Tiny")))
     with pytest.raises(RegistryError, match="'tiny' is declared by several packages: "
                                             f"{MODULE}:TinyConnector"):
@@ -301,21 +292,15 @@ def test_conflicting_entry_points_are_an_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.fixture
-def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A package installed on sys.path: a dist-info with an entry point, and its module."""
-    (tmp_path / "kvp_tinyconn.py").write_text(
+    install_package(tmp_path, monkeypatch, "kvp-tinyconn", {"kvp_tinyconn": (
         "import dataclasses\nfrom kvplugin.connectors.memory import MemoryConnector\n\n"
         "class Conn(MemoryConnector):\n"
         "    def __init__(self, *, capacity_bytes: int) -> None:\n"
         "        super().__init__(capacity_bytes=capacity_bytes)\n"
-        "        self.capabilities = dataclasses.replace(self.capabilities, tier='tinyfs')\n")
-    dist = tmp_path / "kvp_tinyconn-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvp-tinyconn\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[kvplugin.connectors]\ntinyfs = kvp_tinyconn:Conn\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield
-    sys.modules.pop("kvp_tinyconn", None)
+        "        self.capabilities = dataclasses.replace(self.capabilities, tier='tinyfs')\n")},
+        "[kvplugin.connectors]\ntinyfs = kvp_tinyconn:Conn\n")
 
 
 @pytest.mark.usefixtures("installed_plugin")

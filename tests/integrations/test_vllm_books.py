@@ -137,8 +137,9 @@ def test_an_unknown_kv_role_is_refused() -> None:
     ({"declared": {"a": {}, "b": {}},
       "prefix_groups": [{"name": "g", "tenants": ["a", "b"], "max_prefix_tokens": 64}]}, {},
      "tenants.prefix_groups: vLLM hashes each request's blocks with its cache_salt"),
-    ({"declared": {"a": {"max_tier_bytes": {"x": 10}}}},
-     {"connectors": [{"kind": "memory", "options": {"capacity_bytes": 1 << 20}}]},
+    ({"declared": {"a": {"max_tier_bytes": {"extra": 10}}}},
+     {"connectors": [{"kind": "memory", "name": "extra",
+                      "options": {"capacity_bytes": 1 << 20}}]},
      "tenants.declared.a.max_tier_bytes: tier byte quotas apply to the built-in tiers"),
 ])
 def test_keys_vllm_cannot_enforce_fail_the_start_naming_the_key(
