@@ -354,7 +354,7 @@ class Connector(abc.ABC):
         most ``limit`` held between two :meth:`take_events`. A composite watches its tiers;
         a connector that records nothing (a third-party one) returns no events."""
         if self._event_log is None:
-            self._event_log = EventLog(self.capabilities.tier, limit)
+            self._event_log = EventLog(self.name, limit)
 
     def take_events(self) -> list[TierEvent]:
         """The events recorded since the last call, oldest first."""
@@ -386,11 +386,21 @@ class Connector(abc.ABC):
     async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
         """Verified blocks (payloads are zero-copy views), ``None`` for every miss."""
 
+    @property
+    def levels(self) -> Sequence[Connector]:
+        """The tiers behind this connector, fastest first, each known by its ``name``: the
+        connector itself for a plain one (a composite lists its tiers)."""
+        return (self,)
+
+    async def lookup_levels(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[int]:
+        """:meth:`lookup`, saying where: per key present from the first, the level (index
+        in :attr:`levels`) its ``get`` reads it from; as long as ``lookup``'s count."""
+        return [0] * await self.lookup(keys, timeout=timeout)
+
     async def get_located(self, keys: Sequence[ObjectKey], *, timeout: float
                           ) -> tuple[list[Block | None], list[int]]:
         """:meth:`get`, saying where each block came from: per key the level of the tier
-        that served it (its index in ``tiers``, fastest first; 0 for a plain connector),
-        -1 for a miss."""
+        that served it (its index in :attr:`levels`), -1 for a miss."""
         blocks = await self.get(keys, timeout=timeout)
         return blocks, [-1 if b is None else 0 for b in blocks]
 
@@ -495,6 +505,10 @@ class StoreBase(Guarded, Connector):
     The primitives receive validated storage ids (96 hex chars) and may raise only
     :class:`ConnectorError` subclasses for backend trouble.
     """
+
+    # A tier that evicts by itself tells an EXISTS answer as it gives it (_committed): told
+    # after the batch, it could follow the eviction of that object by a later item.
+    tells_existing = False
 
     @property
     def reports_objects(self) -> bool:
@@ -666,7 +680,8 @@ class StoreBase(Guarded, Connector):
 
     def _count_puts(self, batch: list[tuple[str, Encoded]], outcomes: list[PutOutcome]) -> int:
         present = 0
-        if self._event_log is not None:  # writes were told as they landed (see _committed)
+        if self._event_log is not None and not self.tells_existing:
+            # Writes were told as they landed (see _committed); objects already there now.
             self._event_log.stored([sid for (sid, _), outcome in zip(batch, outcomes, strict=True)
                                     if outcome is PutOutcome.EXISTS])
         for (_, enc), outcome in zip(batch, outcomes, strict=True):

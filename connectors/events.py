@@ -29,7 +29,7 @@ CLEARED = "cleared"
 
 @dataclass(frozen=True, slots=True)
 class TierEvent:
-    """``kind`` stored / removed / cleared, in tier ``tier`` (its capabilities.tier);
+    """``kind`` stored / removed / cleared, in tier ``tier`` (the connector's name);
     ``reason`` for removals: evicted, deleted, corrupt, gone; for clears: closed, overflow."""
 
     kind: str

@@ -101,7 +101,9 @@ class FaultInjector(Guarded, Connector):
     ) -> None:
         self.inner = inner
         self.plan = plan
-        self.name = name or f"faulty-{inner.name}"
+        # It stands in for the tier (in a drill, reports and quotas name the tier): by
+        # default it goes by the tier's name, and the events it passes on carry that name.
+        self.name = name or inner.name
         self.capabilities = inner.capabilities
         self.injected = FaultCounters()
         self._rng = random.Random(seed)

@@ -6,7 +6,8 @@
   objects (and deletes its own corrupt ones), so a bad copy in one tier falls through to
   the next. Hits from a lower tier are copied to every tier above it in the background,
   reusing the verified bytes (no re-encoding); :meth:`TieredConnector.drain` waits for them.
-* ``lookup`` counts the prefix present in the *union* of the tiers.
+* ``lookup`` counts the prefix present in the *union* of the tiers; ``lookup_levels`` says
+  which tier each key of it is read from (the one rule of the union, for every caller).
 * ``delete`` sticks: once it returns, no read or promotion that overlapped it brings the
   object back (see :meth:`TieredConnector.delete`). It raises when any tier could not
   delete, even if the others did, because that tier may still hold the object; a retry is
@@ -97,6 +98,10 @@ class TieredConnector(Guarded, Connector):
         if type(max_promotions) is not int or max_promotions <= 0:
             raise ValueError(f"max_promotions must be a positive int, got {max_promotions!r}")
         self.tiers = list(tiers)
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):  # a tier's name is its identity in every report
+            raise ValueError(f"the tiers of a tiered connector need distinct names, got "
+                             f"{names}")
         self.name = name
         # Refused here, not at the first put: tiers that seal with different secrets could
         # never promote or write through the same bytes.
@@ -136,30 +141,47 @@ class TieredConnector(Guarded, Connector):
     def reports_objects(self) -> bool:
         return all(tier.reports_objects for tier in self.tiers)
 
+    @property
+    def levels(self) -> Sequence[Connector]:
+        return self.tiers
+
     async def lookup(self, keys: Sequence[ObjectKey], *, timeout: float) -> int:
+        return len(await self.lookup_levels(keys, timeout=timeout))
+
+    async def lookup_levels(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[int]:
+        """The union of the tiers, and per key the tier ``get`` reads it from.
+
+        Key i may live only on disk and key i+1 only in Redis: at each position the tiers
+        are asked top-down, the first that extends the prefix claiming its run (``get``
+        asks top-down too, so that is where the object comes from), until none does."""
         self._check_open()
         keys = check_keys(keys)
         deadline = Deadline.after(timeout)
-        n = 0
-        # Key i may live only on disk and key i+1 only in Redis: go round the tiers from the
-        # first key nobody had yet, until every tier in a row fails to extend the prefix.
-        stalled = 0
-        turn = 0
-        while n < len(keys) and stalled < len(self.tiers):
+        levels: list[int] = []
+        while len(levels) < len(keys):
+            run = await self._first_holding(keys[len(levels):], deadline)
+            if run is None:
+                break
+            level, found = run
+            levels.extend([level] * found)
+        self._stats.lookups += 1
+        self._stats.lookup_keys += len(keys)
+        self._stats.lookup_hits += len(levels)
+        return levels
+
+    async def _first_holding(self, keys: list[ObjectKey], deadline: Deadline
+                             ) -> tuple[int, int] | None:
+        """The first tier, top-down, holding ``keys[0]``: its level and how many keys on
+        it holds (None: no tier, or no time left)."""
+        for level, tier in enumerate(self.tiers):
             remaining = deadline.remaining()
             if remaining <= 0:
                 self._stats.timeouts += 1
-                break
-            tier = self.tiers[turn % len(self.tiers)]
-            turn += 1
-            found = await self._tier_read(tier, "lookup", keys[n:], remaining, 0)
-            n += found
-            # A tier that answered stopped at a key it lacks: it is stalled at the new start.
-            stalled = 1 if found else stalled + 1
-        self._stats.lookups += 1
-        self._stats.lookup_keys += len(keys)
-        self._stats.lookup_hits += n
-        return n
+                return None
+            found = await self._tier_read(tier, "lookup", keys, remaining, 0)
+            if found:
+                return level, found
+        return None
 
     async def get(self, keys: Sequence[ObjectKey], *, timeout: float) -> list[Block | None]:
         return (await self.get_located(keys, timeout=timeout))[0]

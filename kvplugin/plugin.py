@@ -73,7 +73,8 @@ def build_tiers(off: OffloadConfigSection, disk_root: str | None,
         if disk_root is None:
             raise ValueError("a disk tier needs a directory")
         tiers.append(DiskConnector(disk_root, capacity_bytes=int(off.max_local_disk_size * GB),
-                                   io_threads=off.disk_io_threads))
+                                   io_threads=off.disk_io_threads,
+                                   eviction=off.local_disk_eviction))
     if off.remote_url is not None:
         waiting = unresolved_remote_url(off.remote_url)
         if waiting is not None:
@@ -87,7 +88,12 @@ def build_tiers(off: OffloadConfigSection, disk_root: str | None,
             raise ConfigError(f"offload.connectors.{i}: {e}") from None
     if off.local_cpu:  # built last: a reserved tier holds memory from construction on
         tiers.insert(0, MemoryConnector(capacity_bytes=int(off.max_local_cpu_size * GB),
-                                        reserve=off.local_cpu_reserve))
+                                        reserve=off.local_cpu_reserve,
+                                        eviction=off.local_cpu_eviction))
+    # Each tier is known by its configured name (reports, metrics, tenants' quotas, events):
+    # built-ins by their kind, an extra one by its name, else its kind.
+    for tier, name in zip(tiers, off.tier_names(), strict=True):
+        tier.name = name or tier.capabilities.tier
     return [wrap(t) for t in tiers] if wrap is not None else tiers
 
 
@@ -224,7 +230,8 @@ class Plugin:
 
     @property
     def tier_labels(self) -> list[str]:
-        """Each tier's name (``capabilities.tier``: memory, disk, redis), fastest first."""
+        """Each tier's name (``offload.tier_names()``: memory, disk, redis, then the extra
+        tiers' names), fastest first."""
         return list(self.manager.tiers)
 
     async def open(self) -> Plugin:

@@ -126,49 +126,25 @@ class IOGate:
 
 
 def tier_names(connector: Connector) -> tuple[str, ...]:
-    """The tier of each level: a tiered connector's tiers top-down, else the connector."""
-    tiers = _tiers(connector)
-    return tuple(t.capabilities.tier for t in tiers) if tiers else (
-        connector.capabilities.tier,)
+    """The name of each level: a tiered connector's tiers top-down, else the connector."""
+    return tuple(t.name for t in connector.levels)
 
 
 def connector_tiers(connector: Connector) -> list[Connector]:
     """The connectors of each level of :func:`tier_names`."""
-    return _tiers(connector) or [connector]
-
-
-def _tiers(connector: Connector) -> list[Connector] | None:
-    # The convention Connector.codec relies on too: a composite keeps its parts in `tiers`.
-    tiers = getattr(connector, "tiers", None)
-    if isinstance(tiers, list) and tiers and all(isinstance(t, Connector) for t in tiers):
-        return tiers
-    return None
+    return list(connector.levels)
 
 
 async def lookup_levels(connector: Connector, keys: Sequence[ObjectKey],
                         deadline: Deadline, *, by_level: bool = True) -> list[int]:
     """The level (index in :func:`tier_names`) of each key present from the first
-    (``by_level=False``: the connector asked as one store, every level 0).
-
-    A tiered connector is walked top-down at each position, the first tier that extends the
-    prefix claiming its run: that is the tier its ``get`` reads those objects from. The
-    prefix is the union of the tiers, as the tiered connector's own lookup counts it.
-    """
-    tiers = _tiers(connector)
+    (``by_level=False``: the connector asked as one store, every level 0); the union of
+    the tiers is the connector's own rule (:meth:`Connector.lookup_levels`)."""
     if not keys:
         return []
-    if tiers is None or not by_level:
+    if not by_level:
         return [0] * await connector.lookup(keys, timeout=_left(deadline))
-    levels: list[int] = []
-    while len(levels) < len(keys):
-        for level, tier in enumerate(tiers):
-            found = await tier.lookup(keys[len(levels):], timeout=_left(deadline))
-            if found:
-                levels.extend([level] * found)
-                break
-        else:
-            break
-    return levels
+    return await connector.lookup_levels(keys, timeout=_left(deadline))
 
 
 def _left(deadline: Deadline) -> float:

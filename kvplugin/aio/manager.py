@@ -53,7 +53,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from kvplugin.aio import probe
+from kvplugin.aio import group_kinds, probe
 from kvplugin.aio.admission import Admissions, Step
 from kvplugin.aio.jobs import (
     IOGate,
@@ -73,7 +73,7 @@ from kvplugin.aio.plans import StateOffer
 from kvplugin.aio.reqstate import ReqState
 from kvplugin.aio.stores import Holds, JobContext, Stores
 from kvplugin.aio.tenants import TenantPolicy, Tenants, TenantStats, device_salt
-from kvplugin.aio.tier_events import TierEventView
+from kvplugin.aio.tier_events import TierEventView, tier_media
 from kvplugin.aio.values import (
     Admission,
     Latency,
@@ -110,7 +110,7 @@ def _host_memory(core: KVCacheManager, memory: HostKVMemory | None,
         memory = HostKVMemory(kv_config.num_blocks, shapes)
     elif memory.num_blocks != kv_config.num_blocks or list(memory.shapes) != shapes:
         raise ValueError("host memory does not match the core's blocks and groups")
-    if core.use_eagle and any(s.kind == "state" for s in shapes):
+    if core.use_eagle and any(not group_kinds.plan_kind(s.kind).chunked for s in shapes):
         raise ValueError("EAGLE block drop is not supported with Mamba offload")
     chunk_bytes = max(s.page_bytes for s in shapes) * (offload.chunk_blocks if offload else 0)
     if offload is not None and offload.store_budget_bytes < chunk_bytes:
@@ -128,7 +128,7 @@ class AsyncKVManager:
                  load_costs: LoadCosts | None = None) -> None:
         shapes, memory = _host_memory(core, memory, None if connector is None else config)
         hbs = core.offload_view().hash_block_size
-        has_state = any(s.kind == "state" for s in shapes)
+        has_state = any(not group_kinds.plan_kind(s.kind).chunked for s in shapes)
         self.core = core
         self.connector = connector
         self.config = config
@@ -174,7 +174,7 @@ class AsyncKVManager:
         self.load_costs = load_costs if connector is not None else None
         if connector is not None:
             if config.tier_events:
-                self.tier_events = TierEventView()
+                self.tier_events = TierEventView(media=tier_media(connector_tiers(connector)))
             if self.offloads.holdings is not None or self.tier_events is not None:
                 connector.watch_events()
             ctx = JobContext(
@@ -273,7 +273,9 @@ class AsyncKVManager:
             # Every lookup that asked the tiers is timed: answered, timed out or cancelled.
             self._latency.lookup.observe(time.perf_counter() - started)
         claim, answer = done.claim, done.answer
-        assert claim is not None and answer is not None
+        if claim is None or answer is None:
+            raise RuntimeError(f"lookup of {req.request_id!r}: the probe answered "
+                               "without a claim or an answer")
         return Lookup(req.request_id, claim.local, claim.external, todo.first, answer.levels,
                       False, answer.states, claim.state_at)
 
@@ -315,7 +317,8 @@ class AsyncKVManager:
         if st.load is None and st.outcome is None:
             raise ValueError(f"request {req.request_id!r} has no load")
         await st.loaded.wait()
-        assert st.outcome is not None
+        if st.outcome is None:
+            raise RuntimeError(f"the load of {req.request_id!r} ended without an outcome")
         return st.outcome
 
     def load_outcome(self, req: Request) -> LoadOutcome | None:
@@ -373,7 +376,6 @@ class AsyncKVManager:
         self.offloads.close(st.offload)
         self.ledger.close(st.tenant, st.ledger, req.num_computed_tokens, req.num_prompt_tokens)
         self.tenants.finished(st)
-        st.finished = True
         waits: set[LoadJob | StoreJob] = set()
         if st.load is not None:
             st.load.abandoned = True

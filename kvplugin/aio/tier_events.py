@@ -25,19 +25,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvplugin.connectors.base import Connector
 from kvplugin.connectors.events import TierEvent
 from kvplugin.core.blocks import external_block_hash
 from kvplugin.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["ObjectInfo", "TierEventView", "describe_chunk", "describe_state", "tier_medium"]
+__all__ = ["ObjectInfo", "TierEventView", "describe_chunk", "describe_state", "tier_media",
+           "tier_medium"]
 
-# Tier names (capabilities.tier) -> the medium an event names: host memory is vLLM's "CPU".
+# Tier kinds (capabilities.tier) -> the medium an event names: host memory is vLLM's "CPU".
 _MEDIA = {"memory": "CPU", "disk": "DISK", "redis": "REDIS"}
 OWNERSHIP = "kvplugin"
 
 
-def tier_medium(tier: str) -> str:
-    return _MEDIA.get(tier, tier.upper())
+def tier_medium(kind: str) -> str:
+    return _MEDIA.get(kind, kind.upper())
+
+
+def tier_media(tiers: Sequence[Connector]) -> dict[str, str]:
+    """Each tier's name -> the medium its events name (by its kind: two memory tiers are
+    both vLLM's "CPU"; the events' tier is the name)."""
+    return {t.name: tier_medium(t.capabilities.tier) for t in tiers}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +104,16 @@ class TierEventView:
     is taken back (``BlockRemoved`` from every tier it was told in), so a router believes
     too little, never too much."""
 
-    def __init__(self, *, max_objects: int = 1 << 18, max_events: int = 1 << 16) -> None:
+    def _medium(self, tier: str) -> str:
+        return self._media.get(tier) or tier_medium(tier)
+
+    def __init__(self, *, max_objects: int = 1 << 18, max_events: int = 1 << 16,
+                 media: dict[str, str] | None = None) -> None:
+        """``media``: tier name -> medium (:func:`tier_media`); a tier not in it is named
+        by :func:`tier_medium` of its name."""
         if max_objects < 1 or max_events < 1:
             raise ValueError("max_objects and max_events must be positive")
+        self._media = dict(media or {})
         self.max_objects = max_objects
         self.max_events = max_events
         self._info: OrderedDict[str, ObjectInfo] = OrderedDict()
@@ -172,7 +187,7 @@ class TierEventView:
         told.add(tier)
         self._emit(BlockStored(
             list(info.block_hashes), info.parent, list(info.token_ids), info.block_size,
-            None, tier_medium(tier), None, group_idx=info.group,
+            None, self._medium(tier), None, group_idx=info.group,
             kv_cache_spec_kind=info.spec_kind, kv_cache_spec_sliding_window=info.sliding_window,
             ownership=OWNERSHIP))
 
@@ -183,7 +198,7 @@ class TierEventView:
             return
         for tier in sorted(tiers & told):
             told.discard(tier)
-            self._emit(BlockRemoved(list(info.block_hashes), tier_medium(tier),
+            self._emit(BlockRemoved(list(info.block_hashes), self._medium(tier),
                                     group_idx=info.group, ownership=OWNERSHIP))
         if not told:
             del self._told[sid]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.aio.objects import ObjectSpec, chunk_spec, state_spec
-from kvplugin.aio.tier_events import TierEventView
+from kvplugin.aio.tier_events import TierEventView, tier_media
 from kvplugin.connectors.keys import ObjectKey
 from kvplugin.integrations import _events
 from kvplugin.integrations._groups import pages_out
@@ -99,13 +99,14 @@ class WorkerSide:
         self._copy_in = copy_in
         self.maps: list[PageMap] = []
         self._w = _WorkerState()
-        self._tier_names = [t.capabilities.tier for t in connector_tiers(rt.connector)]
+        tiers = connector_tiers(rt.connector)
+        self._tier_names = [t.name for t in tiers]
         self._w.tier_errors = [0] * len(self._tier_names)
         self._log = RateLimitedLog()
         for name in unhealthy:  # the start's warning was its line: the errors wait their turn
             self._log.logged(f"tier:{name}")
         if events:
-            self._w.view = TierEventView()
+            self._w.view = TierEventView(media=tier_media(tiers))
             self._w.subscription = rt.subscribe_events()
         if feed:
             self._w.feed = rt.subscribe_events()
@@ -162,7 +163,9 @@ class WorkerSide:
         copied = []
         for piece, block, level in zip(spec.pieces[:bad], blocks[:bad], levels[:bad],
                                        strict=True):
-            assert block is not None
+            if block is None:  # every block before ``bad`` was accepted
+                raise RuntimeError(f"load of {spec.req_id}: a block before the first "
+                                   "refused one is missing")
             self._copy_in(piece, block.payload)
             copied.append((level, memoryview(block.payload).nbytes, piece.state))
         if bad is not None:
@@ -338,8 +341,8 @@ def check_tiers(rt: Runtime, require: bool) -> list[str]:
         except Exception as e:  # a probe that cannot run is a failed probe
             ok, detail = False, repr(e)
         if not ok:
-            bad.append(f"{t.capabilities.tier} ({detail})")
-            names.append(t.capabilities.tier)
+            bad.append(f"{t.name} ({detail})")
+            names.append(t.name)
     if not bad:
         return []
     msg = f"kvplugin: tier(s) failed their health check at start: {'; '.join(bad)}"

@@ -56,6 +56,7 @@ def test_which_connectors_report_their_objects() -> None:
     assert mem.reports_objects
     assert FaultInjector(MemoryConnector(capacity_bytes=1 << 20), FaultPlan(),
                          seed=0).reports_objects
-    assert TieredConnector([MemoryConnector(capacity_bytes=1 << 20), mem]).reports_objects
+    top = MemoryConnector(capacity_bytes=1 << 20, name="top")
+    assert TieredConnector([top, mem]).reports_objects
     silent = Silent(capacity_bytes=1 << 20)
-    assert not TieredConnector([MemoryConnector(capacity_bytes=1 << 20), silent]).reports_objects
+    assert not TieredConnector([top, silent]).reports_objects

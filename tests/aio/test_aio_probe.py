@@ -70,7 +70,8 @@ def _ask(conn: MemoryConnector | TieredConnector, keys: KeySpace, lay: plans.Lay
 def test_by_level_or_as_one_store_the_tiers_reach_as_far() -> None:
     keys = KeySpace("m", [FULL, STATE], BS)
     lay = layout_of([FULL, STATE], 1, BS)
-    fast, slow = MemoryConnector(capacity_bytes=1 << 20), MemoryConnector(capacity_bytes=1 << 20)
+    fast = MemoryConnector(capacity_bytes=1 << 20, name="fast")
+    slow = MemoryConnector(capacity_bytes=1 << 20, name="slow")
     asyncio.run(_put(fast, keys.chunk_keys("t", 0, HASHES, 0, 4)))
     asyncio.run(_put(slow, keys.chunk_keys("t", 0, HASHES, 4, 9)))
     asyncio.run(_put(slow, [keys.state_key("t", 1, HASHES, n) for n in (64, 128)]))

@@ -9,7 +9,7 @@ import time
 import pytest
 from conn_testlib import T, make_items, namespace, redis_options, same
 
-from kvplugin.connectors import disk as disk_mod
+from kvplugin.connectors import diskwrite
 from kvplugin.connectors.base import ConnectorTimeout
 from kvplugin.connectors.disk import DiskConnector
 from kvplugin.connectors.faults import FaultInjector, FaultPlan, LocalRedisServer
@@ -56,7 +56,7 @@ def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
                 os.write(fd, view[i : i + 16384])
                 time.sleep(0.002)
 
-    monkeypatch.setattr(disk_mod, "_write_all", slow_write_all)
+    monkeypatch.setattr(diskwrite, "_write_all", slow_write_all)
 
 
 async def test_cancelled_disk_put_lands_whole_or_not_at_all(
@@ -91,7 +91,7 @@ async def test_cancelled_tiered_get_leaves_nothing_running() -> None:
         MemoryConnector(capacity_bytes=MIB), FaultPlan(latency_rate=1.0, latency=5.0), seed=3
     )
     items = make_items(namespace(), 1)
-    tiered = TieredConnector([MemoryConnector(capacity_bytes=MIB), slow])
+    tiered = TieredConnector([MemoryConnector(capacity_bytes=MIB, name="top"), slow])
     await slow.inner.put(items, timeout=T)
     task = asyncio.ensure_future(tiered.get([items[0][0]], timeout=T))
     await asyncio.sleep(0.05)

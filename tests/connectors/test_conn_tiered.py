@@ -56,9 +56,25 @@ async def test_lower_tier_hit_is_promoted_to_the_tiers_above(tmp_path: os.PathLi
         assert tiered.hits_by_tier == [2, 0, 2]
 
 
+async def test_tiers_are_told_apart_by_name() -> None:
+    twins = [MemoryConnector(capacity_bytes=MIB), MemoryConnector(capacity_bytes=MIB)]
+    with pytest.raises(ValueError, match=r"need distinct names, got \['memory', 'memory'\]"):
+        TieredConnector(twins)
+    named = [MemoryConnector(capacity_bytes=MIB, name="hot"), twins[0]]
+    async with TieredConnector(named) as tiered:
+        assert [t.name for t in tiered.levels] == ["hot", "memory"]
+        items = make_items(namespace(), 3)
+        await named[1].put(items[1:], timeout=T)
+        await named[0].put(items[:2], timeout=T)
+        # The union, and per key the tier its get reads it from (top-down at each key).
+        assert await tiered.lookup_levels([k for k, _ in items], timeout=T) == [0, 0, 1]
+        assert await tiered.lookup([k for k, _ in items], timeout=T) == 3
+    await twins[1].aclose()
+
+
 async def test_promotion_can_be_turned_off(tmp_path: os.PathLike[str]) -> None:
     items = make_items(namespace(), 1)
-    tiers = [MemoryConnector(capacity_bytes=MIB), MemoryConnector(capacity_bytes=MIB)]
+    tiers = [MemoryConnector(capacity_bytes=MIB, name=f"m{i}") for i in range(2)]
     async with TieredConnector(tiers, promote=False) as tiered:
         await tiers[1].put(items, timeout=T)
         assert (await tiered.get([items[0][0]], timeout=T))[0] is not None
@@ -83,7 +99,7 @@ async def test_lookup_counts_the_prefix_across_tiers(tmp_path: os.PathLike[str])
 async def test_a_failing_tier_does_not_fail_the_others(tmp_path: os.PathLike[str]) -> None:
     items = make_items(namespace(), 2)
     broken = FaultInjector(MemoryConnector(capacity_bytes=MIB), FaultPlan(error_rate=1.0), seed=1)
-    good = MemoryConnector(capacity_bytes=MIB)
+    good = MemoryConnector(capacity_bytes=MIB, name="good")
     async with TieredConnector([broken, good]) as tiered:
         assert await tiered.put(items, timeout=T) == 2
         got = await tiered.get([k for k, _ in items], timeout=T)
@@ -109,7 +125,8 @@ async def test_put_per_tier_counts_what_each_tier_holds(tmp_path: os.PathLike[st
 
 async def test_every_tier_failing_raises(tmp_path: os.PathLike[str]) -> None:
     plan = FaultPlan(error_rate=1.0)
-    tiers = [FaultInjector(MemoryConnector(capacity_bytes=MIB), plan, seed=i) for i in range(2)]
+    tiers = [FaultInjector(MemoryConnector(capacity_bytes=MIB, name=f"m{i}"), plan, seed=i)
+             for i in range(2)]
     async with TieredConnector(tiers) as tiered:
         with pytest.raises(BackendUnavailable):
             await tiered.put(make_items(namespace(), 1), timeout=T)
@@ -227,7 +244,7 @@ async def test_a_get_out_of_time_before_the_lower_tiers_counts_a_timeout() -> No
     slow = FaultInjector(
         MemoryConnector(capacity_bytes=MIB), FaultPlan(latency_rate=1.0, latency=30.0), seed=1
     )
-    lower = MemoryConnector(capacity_bytes=MIB)
+    lower = MemoryConnector(capacity_bytes=MIB, name="lower")
     async with TieredConnector([slow, lower]) as tiered:
         await lower.put(items, timeout=T)
         assert await tiered.get([items[0][0]], timeout=0.05) == [None]

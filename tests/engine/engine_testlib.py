@@ -89,7 +89,7 @@ class GatedReads(Connector):
 
     def __init__(self, inner: Connector) -> None:
         self.inner = inner
-        self.name = f"gated-{inner.name}"
+        self.name = inner.name  # it stands in for the tier, under its name
         self.capabilities = inner.capabilities
         self.gate = asyncio.Event()
         self.gate.set()
