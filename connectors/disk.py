@@ -40,14 +40,14 @@ before writing it; a threaded load is verified right after its read (every load 
 verified).
 
 A store whose caller times out or is cancelled is settled before the caller gets control
-back (see ``_Write``): a write not yet begun is dropped, one under way finishes from a copy
-of the caller's bytes taken then, so no later change to the caller's buffer can reach the
-disk, and the index stays exact either way. Jobs on one file never overlap: a write holds
-its object and its victims, a delete's unlink its objects, until the job ends, whether or
-not its caller still waits, and a later put or delete of those ids waits for it (so a
-cancelled delete cannot unlink the file a later put published). ``aclose`` waits at most
-``_CLOSE_WAIT`` seconds for file jobs and reads in flight, so that when it returns the
-directory is free for the next connector.
+back (see :class:`~kvplugin.connectors.diskwrite.Write`): a write not yet begun is
+dropped, one under way finishes from a copy of the caller's bytes taken then, so no later
+change to the caller's buffer can reach the disk, and the index stays exact either way.
+Jobs on one file never overlap: a write holds its object and its victims, a delete's
+unlink its objects, until the job ends, whether or not its caller still waits, and a later
+put or delete of those ids waits for it (so a cancelled delete cannot unlink the file a
+later put published). ``aclose`` waits at most ``_CLOSE_WAIT`` seconds for file jobs and
+reads in flight, so that when it returns the directory is free for the next connector.
 
 One connector per directory, enforced: an open connector holds an exclusive ``flock`` on
 the root directory itself, and a second one (in any process) fails to start with
@@ -62,14 +62,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import errno
 import functools
 import itertools
 import logging
 import os
-import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiofiles.os
@@ -89,12 +86,13 @@ from kvplugin.connectors.base import (
     StoreBase,
     decode_or_error,
     encode_once,
-    finish,
 )
 from kvplugin.connectors.diskio import LOCK_NAME, DirectoryInUse, ForeignObject, RootDir
+from kvplugin.connectors.diskwrite import Write, write_object
+from kvplugin.connectors.eviction import EvictionPolicy, make_policy
 from kvplugin.connectors.keys import NS_HEX_LEN, ObjectKey
 from kvplugin.connectors.nowait import NoWaitReader
-from kvplugin.serde import Block, EncodedBlock
+from kvplugin.serde import Block
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -137,6 +135,8 @@ def default_io_threads(cpus: int | None = None) -> int:
 class DiskConnector(StoreBase):
     """Objects as files under ``root`` within ``capacity_bytes``."""
 
+    tells_existing = True
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -148,7 +148,10 @@ class DiskConnector(StoreBase):
         name: str = "disk",
         secret: bytes | None = None,
         previous_secrets: Sequence[bytes] = (),
+        eviction: str | EvictionPolicy = "lru",
     ) -> None:
+        """``eviction``: the policy (see :func:`~kvplugin.connectors.eviction.make_policy`);
+        the rest: see the class and :class:`~kvplugin.connectors.base.StoreBase`."""
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if io_threads is None:
@@ -172,10 +175,11 @@ class DiskConnector(StoreBase):
         self.fsync = fsync
         self.io_threads = io_threads
         self._executor = self._new_executor()
-        self._index: OrderedDict[str, int] = OrderedDict()  # id -> size, LRU first
+        self._index: dict[str, int] = {}  # id -> size of every committed object
+        self.policy = make_policy(eviction, capacity_bytes)  # their eviction order
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes of writes in flight
-        self._pending: dict[str, _Write] = {}  # at most one write in flight per id
+        self._pending: dict[str, Write] = {}  # at most one write in flight per id
         # Every file job in flight (write, victim or delete unlink), by the ids it touches:
         # a later job on an id waits for it, so jobs on one file never reorder on the I/O
         # threads and the index follows the file's last change.
@@ -294,8 +298,8 @@ class DiskConnector(StoreBase):
 
     def objects(self) -> dict[str, int]:
         """The index: storage id -> bytes of each committed object, least recently used
-        first (a copy; for tools and tests)."""
-        return dict(self._index)
+        first under LRU: the policy's order (a copy; for tools and tests)."""
+        return {sid: self._index[sid] for sid in self.policy.order()}
 
     async def quiesce(self) -> None:
         """Wait until no file job is in flight, including those whose callers stopped
@@ -311,7 +315,7 @@ class DiskConnector(StoreBase):
     # primitives -----------------------------------------------------------------------------
 
     def _encode(self, block: Block) -> Encoded:
-        # A draft: the I/O thread hashes the payload as it writes it (see _write_object).
+        # A draft: the I/O thread hashes the payload as it writes it (see diskwrite.write_object).
         if block.encoded is not None:
             return encode_once(block, self.codec)
         return serde.prepare(block.meta, block.payload, self.codec)
@@ -372,8 +376,10 @@ class DiskConnector(StoreBase):
                 continue
             left -= raw.nbytes
             self.inline_reads += 1
-            index.move_to_end(sid)
             out[i] = decode_or_error(raw, sid, codec=self.codec)
+        for i in reversed(range(len(keys))):  # tail first: a chain's head the most recent
+            if i not in rest:
+                self.policy.touched(keys[i].id)
         return out, rest
 
     async def _reads(
@@ -389,8 +395,8 @@ class DiskConnector(StoreBase):
         index = self._index
         began = self._indexed  # an entry indexed after this is not the file these reads saw
         wanted = [i for i, sid in enumerate(ids) if sid in index]
-        for i in wanted:
-            index.move_to_end(ids[i])
+        for i in reversed(wanted):  # tail first: a chain's head the most recent
+            self.policy.touched(ids[i])
         ex, cap = self._executor, self.capacity_bytes
         jobs = [_in_thread(root.run, read, _rel(ids[i]), cap, executor=ex) for i in wanted]
         if len(jobs) == 1:  # the common case, without a task per file
@@ -434,13 +440,15 @@ class DiskConnector(StoreBase):
             await self.start()
         if len(items) == 1:  # the common case, without a task per item
             return [await self._store_one(*items[0], overwrite)]
+        # Tail first: evictions and the policy see a chain's head last (see _take).
         results = await asyncio.gather(
-            *(self._store_one(sid, enc, overwrite) for sid, enc in items),
+            *(self._store_one(sid, enc, overwrite) for sid, enc in reversed(items)),
             return_exceptions=True,
         )
         for res in results:
             if isinstance(res, BaseException):
                 raise res
+        results.reverse()
         return results  # type: ignore[return-value]
 
     async def _store_one(self, sid: str, enc: Encoded, overwrite: bool) -> PutOutcome:
@@ -453,7 +461,8 @@ class DiskConnector(StoreBase):
             if busy is not None:  # a job on this file is in flight: wait for it
                 await asyncio.wait([busy])
             elif sid in self._index and not overwrite:
-                self._index.move_to_end(sid)
+                self.policy.touched(sid)
+                self._committed((sid,))
                 return PutOutcome.EXISTS
             elif size > self.capacity_bytes:
                 return PutOutcome.REJECTED
@@ -466,7 +475,7 @@ class DiskConnector(StoreBase):
         root = self._root
         if root is None:
             raise BackendUnavailable(f"{self.name} is closed")
-        victims = self._evict_until(size)
+        victims = self._evict_until(size, sid)
         if sid in self._index:  # an overwrite: the old file goes first, like a victim
             self._forget(sid)
             victims.append(sid)
@@ -484,10 +493,10 @@ class DiskConnector(StoreBase):
         # the budget exact however the write ends, then wakes the caller. The job reports
         # back with one call_soon_threadsafe (run_in_executor would add a wrapping future
         # and two chaining callbacks, ~4 us of loop time per store).
-        write = _Write(loop.create_future())
+        write = Write(loop.create_future())
         waiter: asyncio.Future[None] = loop.create_future()
         job = self._executor.submit(
-            root.run, _write_object, directory, name, tmp, enc, self.fsync,
+            root.run, write_object, directory, name, tmp, enc, self.fsync,
             [_rel(v) for v in victims], write,
         )
         self._reserved += enc.nbytes
@@ -513,7 +522,7 @@ class DiskConnector(StoreBase):
         held: tuple[str, ...],
         size: int,
         waiter: asyncio.Future[None],
-        write: _Write,
+        write: Write,
         job: concurrent.futures.Future[bool],
     ) -> None:
         """Runs on the loop when a write job ends, before any waiter resumes."""
@@ -574,12 +583,14 @@ class DiskConnector(StoreBase):
     def _add(self, sid: str, size: int) -> None:
         self._indexed += 1
         self._index[sid] = size
+        self.policy.inserted(sid, size)
         self._born[sid] = self._indexed
         self._used += size
 
     def _forget(self, sid: str) -> None:
         size = self._index.pop(sid, None)
         if size is not None:
+            self.policy.removed(sid)
             self._used -= size
             del self._born[sid]
 
@@ -589,14 +600,18 @@ class DiskConnector(StoreBase):
             if self._busy.get(sid) is job:
                 del self._busy[sid]
 
-    def _evict_until(self, incoming: int) -> list[str]:
-        """Pop LRU objects until ``incoming`` more bytes fit; the caller unlinks them."""
+    def _evict_until(self, incoming: int, sid: str | None = None) -> list[str]:
+        """Drop the policy's victims until ``incoming`` more bytes (of object ``sid``) fit;
+        the caller unlinks them."""
         victims = []
         while self._index and self._used + self._reserved + incoming > self.capacity_bytes:
-            sid, size = self._index.popitem(last=False)
-            self._used -= size
-            del self._born[sid]
-            victims.append(sid)
+            victim = self.policy.evict(sid)
+            if victim is None:  # the policy lost track of what is held: a bug, never a hang
+                raise RuntimeError(f"{self.name}: {len(self._index)} objects held but the "
+                                   f"eviction policy {self.policy.name!r} has no victim")
+            self._used -= self._index.pop(victim)
+            del self._born[victim]
+            victims.append(victim)
         self._stats.evicted += len(victims)
         self._evicted(victims)
         return victims
@@ -664,116 +679,6 @@ def _rel(sid: str) -> str:
     """``<namespace>/<shard>/<object>.kvb``: where an object lives beneath the root."""
     ns, obj = sid[:NS_HEX_LEN], sid[NS_HEX_LEN:]
     return f"{ns}/{obj[:2]}/{obj}{SUFFIX}"
-
-
-# --- the write job ---------------------------------------------------------------------------
-
-_QUEUED, _READING, _WRITTEN, _DROPPED = range(4)
-
-
-class _Write:
-    """One object write, shared by the loop and the I/O thread that runs it.
-
-    The payload is the caller's buffer, read (hashed, copied out) by the thread, and the
-    caller may reuse that buffer as soon as ``put`` is back with it, however it ended. So a
-    caller that stops waiting (cancelled, or out of time) calls :meth:`abandon` before it
-    gets control back, and the thread checks in with the lock held at two points:
-
-    * :meth:`begin`, before it touches the payload: an abandoned write is dropped;
-    * :meth:`written`, once the payload is in the temp file: if the caller left while the
-      thread was reading its buffer, the file may hold bytes changed since (hashed before
-      or after the change), so the thread writes it again from the copy that
-      :meth:`abandon` took (the bytes as they were when the caller left, sealed on the loop).
-
-    After :meth:`written` the file holds its final bytes and abandoning changes nothing.
-    Hashing stays on the I/O thread for every write that is not cut short; one that is cut
-    short while being written costs the loop one copy, and at most one write per I/O
-    thread can be in that state."""
-
-    __slots__ = ("_copy", "_mutex", "_state", "done")
-
-    def __init__(self, done: asyncio.Future[None]) -> None:
-        self.done = done  # resolved by _write_done; never awaited by a caller directly
-        self._mutex = threading.Lock()
-        self._state = _QUEUED
-        self._copy: EncodedBlock | None = None
-
-    def begin(self) -> bool:
-        with self._mutex:
-            if self._state == _DROPPED:
-                return False
-            self._state = _READING
-            return True
-
-    def written(self) -> EncodedBlock | None:
-        with self._mutex:
-            self._state = _WRITTEN
-            return self._copy
-
-    def abandon(self, enc: Encoded) -> None:
-        with self._mutex:
-            if self._state == _QUEUED:
-                self._state = _DROPPED
-            elif self._state == _READING:
-                sealed = finish(enc)
-                self._copy = dataclasses.replace(sealed, parts=(sealed.join(),))
-
-
-def _write_object(
-    root_fd: int,
-    directory: str,
-    name: str,
-    tmp: str,
-    enc: Encoded,
-    fsync: bool,
-    victims: Sequence[str],
-    write: _Write,
-) -> bool:
-    """Write ``enc`` to ``tmp`` and rename it to ``name`` in ``directory`` (beneath the
-    root); False when the caller abandoned it before it began (nothing written)."""
-    diskio.remove_objects(root_fd, victims)  # room first: the budget holds on disk too
-    if not write.begin():
-        return False
-    dfd = diskio.open_dir(root_fd, directory, create=True)
-    try:
-        fd = diskio.create_file(dfd, tmp)
-        try:
-            try:
-                # A draft's payload is hashed here, right before the write copies it out, so
-                # the copy reads it from this core's cache (measured: writing the payload in
-                # hashed chunks and the head last, at offset 0, was slower).
-                _write_all(fd, finish(enc).parts)
-                copy = write.written()
-                if copy is not None:  # see _Write: the caller's bytes may have changed since
-                    os.ftruncate(fd, 0)
-                    os.lseek(fd, 0, os.SEEK_SET)
-                    _write_all(fd, copy.parts)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            diskio.publish(dfd, tmp, name)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                diskio.remove_entry(dfd, tmp)
-            raise
-        if fsync:
-            os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return True
-
-
-def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
-    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
-    while views:
-        n = os.writev(fd, views)
-        while n:
-            if n >= views[0].nbytes:
-                n -= views.pop(0).nbytes
-            else:
-                views[0] = views[0][n:]
-                n = 0
 
 
 PayloadDigest = tuple[int, int, bytes]

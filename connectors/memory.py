@@ -1,4 +1,5 @@
-"""In-process memory connector: a byte-bounded LRU of encoded objects.
+"""In-process memory connector: a byte-bounded store of encoded objects, evicted in the
+order of its policy (:mod:`kvplugin.connectors.eviction`; LRU unless configured).
 
 It is both the CPU tier and the fake the tests use, so it stores the same verified format as
 every other connector (a flipped byte in memory is caught exactly like one on disk).
@@ -19,7 +20,6 @@ LMCache pre-allocates its CPU buffer: stores then never fault memory in on the s
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -34,6 +34,7 @@ from kvplugin.connectors.base import (
     decode_or_error,
     finish,
 )
+from kvplugin.connectors.eviction import EvictionPolicy, make_policy
 from kvplugin.serde import SplitObject, split_if_immutable
 
 if TYPE_CHECKING:
@@ -48,7 +49,10 @@ __all__ = ["MemoryConnector"]
 
 
 class MemoryConnector(StoreBase):
-    """LRU by access (``get`` refreshes recency, ``lookup`` does not)."""
+    """Evicts by its policy; a ``get`` (and a put of an object held) is a hit for it,
+    a ``lookup`` is not."""
+
+    tells_existing = True
 
     def __init__(
         self,
@@ -59,10 +63,12 @@ class MemoryConnector(StoreBase):
         previous_secrets: Sequence[bytes] = (),
         reserve: bool = False,
         pool: PayloadPool | None = None,
+        eviction: str | EvictionPolicy = "lru",
     ) -> None:
         """``secret``/``previous_secrets``: see :class:`~kvplugin.connectors.base.StoreBase`.
         ``reserve``: fault the capacity in now (see the module's doc); ``pool``: where
-        copies go (the process's :func:`~kvplugin.buffers.default_pool` by default)."""
+        copies go (the process's :func:`~kvplugin.buffers.default_pool` by default);
+        ``eviction``: the policy (see :func:`~kvplugin.connectors.eviction.make_policy`)."""
         if type(capacity_bytes) is not int or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if type(reserve) is not bool:
@@ -76,7 +82,8 @@ class MemoryConnector(StoreBase):
             previous_secrets=previous_secrets,
         )
         self.capacity_bytes = capacity_bytes
-        self._objects: OrderedDict[str, bytes | SplitObject] = OrderedDict()
+        self._objects: dict[str, bytes | SplitObject] = {}
+        self.policy = make_policy(eviction, capacity_bytes)
         self._used = 0
         self._pool = default_pool() if pool is None else pool
         self._reserved = capacity_bytes if reserve else 0
@@ -91,9 +98,9 @@ class MemoryConnector(StoreBase):
         return len(self._objects)
 
     def objects(self) -> dict[str, int]:
-        """Storage id -> bytes of each object held, least recently used first (a copy; for
-        tools and tests)."""
-        return {sid: _size(obj) for sid, obj in self._objects.items()}
+        """Storage id -> bytes of each object held, in the policy's order (LRU: least
+        recently used first; a copy, for tools and tests)."""
+        return {sid: _size(self._objects[sid]) for sid in self.policy.order()}
 
     async def _prefix_present(self, ids: list[str]) -> int:
         n = 0
@@ -113,37 +120,46 @@ class MemoryConnector(StoreBase):
                 for k, o in zip(keys, found, strict=True)], ()
 
     def _take(self, ids: list[str]) -> list[bytes | SplitObject | None]:
-        """The stored object per id (``None`` if absent); a hit refreshes its recency."""
-        out: list[bytes | SplitObject | None] = []
-        for sid in ids:
-            data = self._objects.get(sid)
+        """The stored object per id (``None`` if absent); each hit is told to the policy,
+        tail first (a chain's head the most recent)."""
+        out = [self._objects.get(sid) for sid in ids]
+        for sid, data in zip(reversed(ids), reversed(out), strict=True):
             if data is not None:
-                self._objects.move_to_end(sid)
-            out.append(data)
+                self.policy.touched(sid)
         return out
 
     async def _store(
         self, items: list[tuple[str, Encoded]], *, overwrite: bool
     ) -> list[PutOutcome]:
-        return [self._store_one(sid, finish(enc), overwrite) for sid, enc in items]
+        # Tail first (see kvplugin.connectors.eviction: a batch is a chain, its head the
+        # last the policy hears of, so the last to go; and what does not fit is the tail).
+        out = [self._store_one(sid, finish(enc), overwrite) for sid, enc in reversed(items)]
+        out.reverse()
+        return out
 
     def _store_one(self, sid: str, enc: EncodedBlock, overwrite: bool) -> PutOutcome:
         if sid in self._objects:
             if not overwrite:
-                self._objects.move_to_end(sid)
+                self.policy.touched(sid)
+                self._committed((sid,))
                 return PutOutcome.EXISTS
             self._used -= _size(self._objects.pop(sid))
+            self.policy.removed(sid)
         if enc.nbytes > self.capacity_bytes:
             return PutOutcome.REJECTED
         victims = []
         while self._used + enc.nbytes > self.capacity_bytes:
-            gone, victim = self._objects.popitem(last=False)
-            self._used -= _size(victim)
+            gone = self.policy.evict(sid)
+            if gone is None:  # the policy lost track of what is held: a bug, never a hang
+                raise RuntimeError(f"{self.name}: {self._used} bytes held but the eviction "
+                                   f"policy {self.policy.name!r} has no victim")
+            self._used -= _size(self._objects.pop(gone))
             self._stats.evicted += 1
             victims.append(gone)
         self._evicted(victims)
         # One copy at most: the caller's buffers may be reused as soon as put returns.
         self._objects[sid] = split_if_immutable(enc) or self._copy(enc)
+        self.policy.inserted(sid, enc.nbytes)
         self._used += enc.nbytes
         self._committed((sid,))
         return PutOutcome.WRITTEN
@@ -166,6 +182,7 @@ class MemoryConnector(StoreBase):
             data = self._objects.pop(sid, None)
             if data is not None:
                 self._used -= _size(data)
+                self.policy.removed(sid)
                 n += 1
         return n
 
@@ -173,6 +190,8 @@ class MemoryConnector(StoreBase):
         return None
 
     async def _close(self) -> None:
+        for sid in self._objects:
+            self.policy.removed(sid)
         self._objects.clear()
         self._used = 0
         if self._reserved:

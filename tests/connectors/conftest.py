@@ -130,7 +130,7 @@ def cluster_options() -> Callable[..., RedisClusterOptions]:
     return _cluster_options
 
 
-KINDS = ["memory", "disk", "disk_threads", "redis", "redis_cluster", "tiered"]
+KINDS = ["memory", "memory_arc", "disk", "disk_threads", "redis", "redis_cluster", "tiered"]
 VARIANTS = KINDS + [f"benign-{k}" for k in KINDS] + [f"faulty-{k}" for k in KINDS]
 
 
@@ -138,14 +138,16 @@ VARIANTS = KINDS + [f"benign-{k}" for k in KINDS] + [f"faulty-{k}" for k in KIND
 def make_connector(
     request: pytest.FixtureRequest, tmp_path: os.PathLike[str]
 ) -> Callable[[str], Connector]:
-    """Build a connector of one kind (memory, disk, disk_threads, redis, redis_cluster,
-    tiered) on fresh storage."""
+    """Build a connector of one kind (memory, memory_arc, disk, disk_threads, redis,
+    redis_cluster, tiered) on fresh storage."""
     counter = iter(range(1000))
 
     def build(kind: str) -> Connector:
         n = next(counter)
         if kind == "memory":
             return MemoryConnector(capacity_bytes=64 * MIB)
+        if kind == "memory_arc":  # the contract holds whatever the eviction policy
+            return MemoryConnector(capacity_bytes=64 * MIB, eviction="arc")
         if kind == "disk":
             return DiskConnector(os.path.join(tmp_path, f"disk{n}"), capacity_bytes=64 * MIB)
         if kind == "disk_threads":  # every read on the I/O threads (no page-cache fast path)
@@ -160,7 +162,8 @@ def make_connector(
             return RedisClusterConnector(_cluster_options(cluster.url))
         if kind == "tiered":
             return TieredConnector(
-                [MemoryConnector(capacity_bytes=8 * MIB), build("disk"), build("redis")]
+                [MemoryConnector(capacity_bytes=8 * MIB, eviction="arc"), build("disk"),
+                 build("redis")]
             )
         raise ValueError(kind)
 
@@ -179,6 +182,6 @@ async def subject(
         plan = FAULTY if mode == "faulty" else FaultPlan()
         conn = FaultInjector(conn, plan, seed=sum(map(ord, request.node.name)))
     # The cluster is a Redis tier to the suite (the same capabilities, asserted as "redis").
-    family = "redis" if kind == "redis_cluster" else kind
+    family = {"redis_cluster": "redis", "memory_arc": "memory"}.get(kind, kind)
     async with conn:
         yield Subject(conn, family, reliable)

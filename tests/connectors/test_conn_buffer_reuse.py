@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 from conn_testlib import T, make_block, namespace
 
-from kvplugin.connectors import disk as disk_mod
+from kvplugin.connectors import diskwrite
 from kvplugin.connectors.base import Connector, ConnectorError, PutItem
 from kvplugin.connectors.disk import DiskConnector
 from kvplugin.connectors.tiered import TieredConnector
@@ -70,14 +70,14 @@ def writes_stopped_after_the_hash(monkeypatch: pytest.MonkeyPatch) -> Iterator[t
     """Disk writes stop after the payload was hashed (the draft is finished before the
     write helper is called) until the returned event is set."""
     release, entered = threading.Event(), threading.Event()
-    original = disk_mod._write_all
+    original = diskwrite._write_all
 
     def stopped(fd: int, parts: object) -> None:
         entered.set()
         release.wait(30)
         original(fd, parts)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(disk_mod, "_write_all", stopped)
+    monkeypatch.setattr(diskwrite, "_write_all", stopped)
     try:
         yield entered
     finally:
@@ -186,14 +186,14 @@ async def test_a_batch_that_fails_leaves_nothing_to_change_later(
         items = [it for it, _ in pairs]
         originals = [bytes(p) for _, p in pairs]
         failing_size = items[1][1].meta.nbytes
-        original_write = disk_mod._write_all
+        original_write = diskwrite._write_all
 
         def full_for_one(fd: int, parts: object) -> None:
             if any(memoryview(p).nbytes == failing_size for p in parts):  # type: ignore[attr-defined]
                 raise OSError(errno.ENOSPC, "No space left on device")
             original_write(fd, parts)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(disk_mod, "_write_all", full_for_one)
+        monkeypatch.setattr(diskwrite, "_write_all", full_for_one)
         wrong = (items[0][0], items[2][1])  # a block that does not belong to its key
         with pytest.raises(ValueError):
             await conn.put([items[2], wrong], timeout=T)

@@ -17,7 +17,7 @@ import pytest
 from conn_testlib import T, chain, make_items, namespace, same
 
 from kvplugin.connectors import disk as disk_mod
-from kvplugin.connectors import diskio
+from kvplugin.connectors import diskio, diskwrite
 from kvplugin.connectors.base import BackendError, StorageFull, StoragePermissionError
 from kvplugin.connectors.disk import DirectoryInUse, DiskConnector
 from kvplugin.connectors.keys import ObjectKey
@@ -44,7 +44,7 @@ WRITER = textwrap.dedent(
     import asyncio, os, sys, time
     sys.path.insert(0, {tests!r})
     from conn_testlib import make_items, namespace
-    from kvplugin.connectors import disk
+    from kvplugin.connectors import disk, diskwrite
 
     def slow_write_all(fd, parts):  # a slow device: the kill lands mid-write
         for part in parts:
@@ -53,7 +53,7 @@ WRITER = textwrap.dedent(
                 os.write(fd, view[i : i + 32768])
                 time.sleep(0.0005)
 
-    disk._write_all = slow_write_all
+    diskwrite._write_all = slow_write_all
 
     async def main(root, capacity, fsync, start):
         ns = namespace("crash-tenant")
@@ -302,7 +302,7 @@ class Gates:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered: list[tuple[int, threading.Event]] = []  # (object bytes, gate)
-        real = disk_mod._write_all
+        real = diskwrite._write_all
 
         def gated(fd: int, parts: list[memoryview]) -> None:
             gate = threading.Event()
@@ -310,7 +310,7 @@ class Gates:
             gate.wait(30)
             real(fd, parts)
 
-        monkeypatch.setattr(disk_mod, "_write_all", gated)
+        monkeypatch.setattr(diskwrite, "_write_all", gated)
 
     async def wait_for(self, n: int) -> None:
         async with asyncio.timeout(T):
@@ -387,7 +387,7 @@ async def test_write_errors_fail_that_store_only(
         def failing(fd: int, parts: object) -> None:
             raise OSError(code, os.strerror(code))
 
-        monkeypatch.setattr(disk_mod, "_write_all", failing)
+        monkeypatch.setattr(diskwrite, "_write_all", failing)
         with pytest.raises(error):
             await conn.put(items[1:2], timeout=T)
         monkeypatch.undo()

@@ -27,7 +27,7 @@ import pytest
 from conn_testlib import T, make_items, namespace, same
 
 from kvplugin.connectors import disk as disk_mod
-from kvplugin.connectors import diskio
+from kvplugin.connectors import diskio, diskwrite
 from kvplugin.connectors.base import PutItem
 from kvplugin.connectors.disk import DirectoryInUse, DiskConnector
 from kvplugin.serde import encode
@@ -462,13 +462,13 @@ async def test_aclose_is_bounded_by_a_stuck_write_and_the_directory_stays_taken_
 ) -> None:
     root = os.path.join(tmp_path, "d")
     release = threading.Event()
-    real = disk_mod._write_all
+    real = diskwrite._write_all
 
     def stuck(fd: int, parts: object) -> None:
         release.wait(30)
         real(fd, parts)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(disk_mod, "_write_all", stuck)
+    monkeypatch.setattr(diskwrite, "_write_all", stuck)
     monkeypatch.setattr(disk_mod, "_CLOSE_WAIT", 0.2)
     conn = DiskConnector(root, capacity_bytes=MIB)
     await conn.start()
