@@ -19,8 +19,10 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvplugin.serde import BlockMeta
+if TYPE_CHECKING:  # keys are named without the object format (pyarrow): see ObjectKey.meta
+    from kvplugin.serde import BlockMeta
 
 __all__ = [
     "KINDS",
@@ -175,6 +177,8 @@ class ObjectKey:
     ) -> BlockMeta:
         """The metadata to store with this key's object."""
         ns = self.namespace
+        from kvplugin.serde import BlockMeta  # the format, loaded when a block is made
+
         return BlockMeta(
             key=self.id,
             tenant=ns.tenant,

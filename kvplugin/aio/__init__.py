@@ -6,6 +6,8 @@
   execute: store cursors, plans, the byte budget, tier quotas, every offload counter
 * :mod:`kvplugin.aio.offload_types` — its values: requests, store and load plans (tuples
   of objects with a state), results, tier quotas, per-tenant counters
+* :mod:`kvplugin.aio.group_kinds` — the offload's group kinds, one entry each (page shape,
+  null blocks, fingerprint, how a hit is restored, vLLM's classes)
 * :mod:`kvplugin.aio.plans` — pure offload decisions (hybrid reconciliation: what to claim,
   load, store; which Mamba states make a complete checkpoint)
 * :mod:`kvplugin.aio.probe` — the tier lookup behind a claim, within one deadline

@@ -92,13 +92,13 @@ class Admissions:
         blocks, hit, boundary = core.get_computed_blocks(req)
         return DeviceHit(blocks, blocks, LocalHit(hit, hit), boundary)
 
-    def _cost_cut(self, claim: Claim, lookup: Lookup) -> tuple[Claim, Choice]:
+    def _cost_cut(self, costs: LoadCosts, claim: Claim,
+                  lookup: Lookup) -> tuple[Claim, Choice]:
         """The claim cut where loading stops paying (kvplugin.aio.loadcost); the rest is
         computed. Layouts with states keep their claims (a state ends where it ends)."""
-        assert self._costs is not None
         units = plans.claim_units(self._layout, self._tiers, lookup.first, lookup.levels,
                                   claim.local, claim.local + claim.external)
-        choice = self._costs.plan(units)
+        choice = costs.plan(units)
         if choice.slow is None:
             return claim, choice
         external = sum(n for _, _, n in units[:choice.keep])
@@ -108,10 +108,13 @@ class Admissions:
                       choice: Choice) -> None:
         """The admitted claim's choice: counted once, however often admission was tried;
         a probe reads one of the skipped objects aside."""
-        assert self._costs is not None and self._loads is not None
-        self._costs.settle(choice)
+        costs, loads = self._costs, self._loads
+        if costs is None or loads is None:
+            raise RuntimeError("admission: a load-cost choice was made without load costs "
+                               "or a connector")
+        costs.settle(choice)
         if choice.probe is not None:  # among the tokens cut: [kept end, claimed end)
-            self._loads.probe(st, lookup, claim.local + claim.external, claim.local + uncut,
+            loads.probe(st, lookup, claim.local + claim.external, claim.local + uncut,
                               choice.probe)
         if choice.slow is not None:
             s = self._stats
@@ -150,8 +153,8 @@ class Admissions:
                                     local.hit, tier)
         choice, uncut = None, claim.external
         if self._costs is not None and claim.external and claim.state_at is None:
-            assert lookup is not None
-            claim, choice = self._cost_cut(claim, lookup)
+            claim, choice = self._cost_cut(self._costs, claim,
+                                           _looked_up(lookup, "a cost cut of tier tokens"))
         loads = claim.loads
         n = 0 if loads else self.split(req, claim.local,
                                         step.tokens(req.num_tokens - claim.local))
@@ -168,8 +171,8 @@ class Admissions:
             return None
         self.run_copies()
         if choice is not None:
-            assert lookup is not None
-            self._cost_settled(st, lookup, claim, uncut, choice)
+            self._cost_settled(st, _looked_up(lookup, "a load-cost choice"), claim, uncut,
+                               choice)
         st.admitted = True
         st.outcome = None
         total = claim.local + claim.external
@@ -179,8 +182,10 @@ class Admissions:
         by_tier = self._count_hits(st, claim, lookup)
         if loads:
             # A claim of tier tokens comes from a lookup of a manager with a connector.
-            assert self._loads is not None and lookup is not None
-            self._loads.start(st, claim, lookup)
+            if self._loads is None:
+                raise RuntimeError("admission: a claim of tier tokens on a manager without "
+                                   "a connector")
+            self._loads.start(st, claim, _looked_up(lookup, "a claim of tier tokens"))
             self._tenants.load_started(st)
         return Admission(blocks, n, claim.local, claim.external, loads, by_tier, claim.state_at)
 
@@ -233,3 +238,10 @@ class Admissions:
             return None
         self.run_copies()
         return Admission(blocks, n)
+
+
+def _looked_up(lookup: Lookup | None, what: str) -> Lookup:
+    """The lookup ``what`` comes from: tier tokens are only ever claimed from one."""
+    if lookup is None:
+        raise RuntimeError(f"admission: {what} without a lookup")
+    return lookup

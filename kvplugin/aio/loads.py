@@ -77,7 +77,8 @@ class Loads(JobSide):
         aside, and time it: a tier skipped for being slower than recomputing is measured
         again without a request waiting on it (the request computes those tokens). The
         object read is dropped; a read that fails or times out teaches nothing."""
-        if self._costs is None or tier not in self._tiers:
+        costs = self._costs
+        if costs is None or tier not in self._tiers:
             return
         level = self._tiers.index(tier)
         plan = plans.load_plan(self._layout, start, end)
@@ -89,15 +90,13 @@ class Loads(JobSide):
         tokens = pick.num_blocks * self._layout.block_sizes[pick.group]
         conn = connector_tiers(self._connector)[level]
         self._stats.load_probes += 1
-        task = asyncio.get_running_loop().create_task(self._read_aside(conn, key, tier,
-                                                                       tokens),
-                                                      name=f"kv-probe-{tier}")
+        task = asyncio.get_running_loop().create_task(
+            self._read_aside(costs, conn, key, tier, tokens), name=f"kv-probe-{tier}")
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def _read_aside(self, conn: Connector, key: ObjectKey, tier: str,
+    async def _read_aside(self, costs: LoadCosts, conn: Connector, key: ObjectKey, tier: str,
                           tokens: int) -> None:
-        assert self._costs is not None
         timeout = self._config.load_timeout
         try:
             async with asyncio.timeout(timeout), self._gate.slot(Priority.LOAD):
@@ -110,7 +109,7 @@ class Loads(JobSide):
             logger.exception("probe read of tier %s raised", tier)
             return
         if blocks and blocks[0] is not None:
-            self._costs.observed(tier, tokens, took)
+            costs.observed(tier, tokens, took)
 
     async def wait_probes(self, *, cancel: bool = False) -> None:
         """Wait for the reads aside (cancelled first with ``cancel``)."""
@@ -126,8 +125,7 @@ class Loads(JobSide):
         cancels the job: a copy cut short leaves bytes in blocks nobody caches)."""
         if job.abandoned:
             return
-        st = job.owner
-        assert st is not None
+        st = _owner(job)
         k = len(job.plan)
         ok = [self._chunk_ok(c, key, b) for c, key, b in zip(job.plan, job.keys[:k],
                                                               blocks[:k], strict=True)]
@@ -218,7 +216,9 @@ class Loads(JobSide):
             return  # a state is valid at the claimed boundary only
         for state, dst, block, level in zip(job.states, job.dst[k:], blocks[k:],
                                             job.levels[k:], strict=True):
-            assert block is not None  # verified above
+            if block is None:
+                raise RuntimeError(f"load of {job.request_id!r}: a state verified at the claimed "
+                                   "boundary has no block to copy in")
             self._memory.copy_in(state.group, dst, block.payload)
             job.copied.append((self._tiers[level], self._memory.page_bytes(state.group), True))
 
@@ -234,8 +234,7 @@ class Loads(JobSide):
         if self._costs is not None and job.ended is JobEnd.DONE:
             self._costs.observed(job.tier, job.end - job.start, took)
         self._jobs.discard(job)
-        st = job.owner
-        assert st is not None
+        st = _owner(job)
         if st.load is job:
             st.load = None
         if job.ended is JobEnd.CANCELLED or st.outcome is None:
@@ -258,6 +257,13 @@ class Loads(JobSide):
                                      job.end - job.start, 0, 0)
             st.loaded.set()
         self._holds.job_ended(job)
+
+
+def _owner(job: LoadJob) -> ReqState:
+    """The request a load job was started for (every job of ``Loads.start`` has one)."""
+    if job.owner is None:
+        raise RuntimeError(f"load of {job.request_id!r} has no owning request")
+    return job.owner
 
 
 def _levels(lookup: Lookup, plan: Sequence[plans.ChunkLoad],

@@ -319,7 +319,6 @@ class OffloadLedger:
             self._storing |= plan.key_ids
             self._bytes += plan.nbytes
             c.store_bytes_in_flight += plan.nbytes
-            rq.stores.add(plan)
             if self.holdings is not None and self._quotas.of(rq.tenant):
                 self.holdings.expect(rq.tenant, [(o.key.id, o.nbytes) for o in plan.objects])
         return plan
@@ -340,7 +339,6 @@ class OffloadLedger:
             self._storing -= plan.key_ids
             self._bytes -= plan.nbytes
             c.store_bytes_in_flight -= plan.nbytes
-            rq.stores.discard(plan)
             if self.holdings is not None and self._quotas.of(rq.tenant):
                 self.holdings.settle(plan.key_ids)
         n, states = len(plan.objects), len(plan.states)

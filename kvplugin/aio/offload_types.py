@@ -57,7 +57,6 @@ class OffloadRequest:
     known_until: int = 0  # states at or below this came with the hit: not its to store
     hole: int = NO_HOLE
     keys: list[list[ObjectKey]] = field(default_factory=list)  # per group, chunks 0..
-    stores: set[StorePlan] = field(default_factory=set)  # tracked plans in flight
     closed: bool = False  # finished: no load is planned for it any more
 
     def chunk_keys(self, keyspace: KeySpace, block_hashes: Sequence[bytes], group: int,

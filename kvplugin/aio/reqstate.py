@@ -23,7 +23,6 @@ class ReqState:
     scope: KeyScope  # whose namespace its objects are keyed in
     offload: OffloadRequest  # the offload ledger's state of it (cursors, hole)
     admitted: bool = False  # holds blocks in the core
-    finished: bool = False
     skip_external: bool = False  # a load of it failed: do not claim from the tiers again
     load: LoadJob | None = None
     outcome: LoadOutcome | None = None

@@ -254,7 +254,7 @@ class Stores(JobSide):
                 payload = self._memory.pages(o.group, ids).data
             items.append((o.key, Block(described(o, shape, self._layout).meta(), payload)))
             if self._events is not None:
-                self._describe(st, o)
+                self._describe(self._events, st, o)
         job = StoreJob(st.req.request_id, items, plan, owner=st, started=started)
         if later:
             pending = PendingCopy(items, later)
@@ -267,8 +267,7 @@ class Stores(JobSide):
         start_job(job, coro, f"kv-store-{st.req.request_id}", self._end)
         self._jobs.add(job)
 
-    def _describe(self, st: ReqState, o: StoreObject) -> None:
-        assert self._events is not None
+    def _describe(self, events: TierEventView, st: ReqState, o: StoreObject) -> None:
         req = st.req
         if o.state:
             info = describe_state(req.block_hashes, req.all_token_ids, o.group, o.index,
@@ -278,7 +277,7 @@ class Stores(JobSide):
             info = describe_chunk(req.block_hashes, req.all_token_ids, o.group, o.index * ct,
                                   (o.index + 1) * ct, self._hbs,
                                   self._memory.shapes[o.group].block_size)
-        self._events.describe(o.key.id, info)
+        events.describe(o.key.id, info)
 
     def _end(self, job: StoreJob) -> None:
         if self._events is not None:

@@ -112,7 +112,8 @@ def check_name(name: object, what: str = "tenant") -> str:
         if what == "tenant":
             raise
         raise InvalidName(f"{what}: {exc}") from None
-    assert isinstance(name, str)
+    if not isinstance(name, str):  # Namespace refuses a non-str: this only narrows it
+        raise TypeError(f"{what} name must be a str, not {type(name).__name__}")
     return name
 
 
@@ -537,7 +538,9 @@ class Tenants:
 
     def load_started(self, st: ReqState) -> None:
         job = st.load
-        assert job is not None
+        if job is None:
+            raise RuntimeError(f"tenants: load_started for {st.req.request_id!r}, "
+                               "which has no load")
         # A load that fails or is cancelled frees the hits it adopted.
         self._enforce_after([job], st)
 

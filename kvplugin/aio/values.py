@@ -9,9 +9,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from kvplugin.core.manager import KVCacheBlocks
-from kvplugin.core.metrics import KVCacheEvictionEvent
+if TYPE_CHECKING:  # values only: the offload ledger's counters load no core manager
+    from kvplugin.core.manager import KVCacheBlocks
+    from kvplugin.core.metrics import KVCacheEvictionEvent
 
 __all__ = [
     "BOUNDS",

@@ -54,7 +54,8 @@ async def tier_claim(connector: Connector, keys: KeySpace, layout: plans.Layout,
     done = await probe.lookup(connector, layout, keys, tenant, block_hashes, todo,
                               num_tokens=num_tokens, hit=hit, timeout=timeout,
                               by_level=False)
-    assert done.claim is not None
+    if done.claim is None:
+        raise RuntimeError(f"tier lookup for tenant {tenant!r} answered without a claim")
     return done.claim
 
 

@@ -226,9 +226,8 @@ class SchedulerSide:
         if self._divergent_now and self._dropped(st, request, num_computed_tokens, ext):
             self._reconcile_for.add(request.request_id)
             return None, False
-        if ext <= 0:
+        if ext <= 0 or claim is None:  # a claim of no tokens (ext > 0 implies a claim)
             return 0, False
-        assert claim is not None
         st.async_hit = self._async_loads
         st.state_at = claim.state_at
         return ext, self._async_loads
@@ -286,7 +285,9 @@ class SchedulerSide:
         local = max(st.local_tokens, request.num_computed_tokens)
         end = local + num_external_tokens
         self._admit(st, end, local)
-        assert st.offload is not None  # a claim is only made for a valid tenant
+        if st.offload is None:  # a claim is only made for a valid tenant
+            raise RuntimeError(f"kvplugin: {request.request_id} was allocated external "
+                               "tokens without an offload tenant")
         plan = self._ledger.prepare_load(st.offload, request, blocks.get_block_ids(), local,
                                          end, st.state_at)
         self._load_plans[request.request_id] = plan

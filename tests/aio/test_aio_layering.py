@@ -15,7 +15,7 @@ AIO = ["kvplugin.aio", "kvplugin.aio.manager", "kvplugin.aio.jobs", "kvplugin.ai
        "kvplugin.aio.tenants", "kvplugin.aio.ledger", "kvplugin.aio.tier_events",
        "kvplugin.aio.loadcost", "kvplugin.aio.probe", "kvplugin.aio.loop",
        "kvplugin.aio.holdings", "kvplugin.aio.offload_ledger", "kvplugin.aio.admission",
-       "kvplugin.aio.objects", "kvplugin.aio.offload_types"]
+       "kvplugin.aio.objects", "kvplugin.aio.offload_types", "kvplugin.aio.group_kinds"]
 
 
 def _static_imports(root: Path) -> list[tuple[Path, int, str]]:
@@ -74,11 +74,12 @@ def test_async_layer_reaches_the_core_only_through_its_view() -> None:
 
 # The offload ledger's state machine and the decisions it takes: synchronous, no I/O, no
 # core objects (both integrations execute it; neither's runtime may leak in).
-PURE = ["offload_ledger", "offload_types", "plans", "holdings"]
+PURE = ["offload_ledger", "offload_types", "plans", "holdings", "group_kinds"]
 PURE_MAY_IMPORT = {"__future__", "collections.abc", "dataclasses", "enum", "typing", "itertools",
                    "math", "types", "kvplugin.aio", "kvplugin.aio.plans",
                    "kvplugin.aio.holdings", "kvplugin.aio.keys", "kvplugin.aio.values",
-                   "kvplugin.aio.offload_types",
+                   "kvplugin.aio.offload_types", "kvplugin.aio.group_kinds",
+                   "kvplugin.core", "kvplugin.core.specs",
                    "kvplugin.connectors.events", "kvplugin.connectors.keys",
                    "kvplugin.core.single_type.mamba_checkpoints"}
 
@@ -92,3 +93,20 @@ def test_the_offload_ledger_is_synchronous_and_pure() -> None:
         asyncs = [n.lineno for n in ast.walk(tree)
                   if isinstance(n, ast.AsyncFunctionDef | ast.Await | ast.AsyncWith)]
         assert not asyncs, (name, asyncs)
+
+
+def test_the_offload_ledger_loads_nothing_else_in_a_fresh_interpreter() -> None:
+    """What importing the offload core really loads (the static check above sees one file's
+    imports, not what they pull in): no event loop, no numpy or pyarrow, no core manager,
+    no host memory, no object format."""
+    loaded = loaded_after("kvplugin.aio.offload_ledger")
+    ours = {m for m in loaded if m.split(".")[0] == "kvplugin"}
+    assert ours == {
+        "kvplugin", "kvplugin.aio", "kvplugin.aio.group_kinds", "kvplugin.aio.holdings",
+        "kvplugin.aio.keys", "kvplugin.aio.offload_ledger", "kvplugin.aio.offload_types",
+        "kvplugin.aio.plans", "kvplugin.aio.values", "kvplugin.connectors",
+        "kvplugin.connectors.events", "kvplugin.connectors.keys", "kvplugin.core",
+        "kvplugin.core.single_type", "kvplugin.core.single_type.mamba_checkpoints",
+        "kvplugin.core.specs"}
+    for heavy in ("asyncio", "numpy", "pyarrow", "redis", "concurrent.futures"):
+        assert heavy not in loaded, heavy

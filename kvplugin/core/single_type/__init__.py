@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from kvplugin.core.single_type.base import SingleTypeKVCacheManager
 from kvplugin.core.specs import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -16,6 +16,9 @@ from kvplugin.core.specs import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+
+if TYPE_CHECKING:  # each family's module is loaded on first use; the package alone is light
+    from kvplugin.core.single_type.base import SingleTypeKVCacheManager
 
 # spec type -> "module:Class" (imported on first use so each family stays its own module)
 _REGISTRY: dict[type[KVCacheSpec], str] = {
