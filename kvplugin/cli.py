@@ -6,10 +6,12 @@ on the allocation core, or validate config files."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -36,14 +38,31 @@ def _trace_error(cmd: str, path: str, e: Exception) -> int:
     return 2
 
 
+EXPECTED_SUFFIX = ".expected.json"  # a trace's recorded vLLM outputs, beside the trace
+
+
+def _traces(paths: list[str]) -> list[str]:
+    """The traces among ``paths``: with several (a glob over a traces directory), the
+    recorded outputs beside them (``*.expected.json``) are left out, and said so."""
+    if len(paths) < 2:
+        return paths
+    kept = [p for p in paths if not p.endswith(EXPECTED_SUFFIX)]
+    if len(kept) < len(paths):
+        print(f"kvplugin replay: {len(paths) - len(kept)} recorded output file(s) "
+              f"(*{EXPECTED_SUFFIX}) left out: they are the traces' expected results, "
+              "compared with tools in conformance/", file=sys.stderr)
+    return kept
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvplugin.replay import TraceError, bench, dump_result, load_trace, run_trace
 
-    if len(args.traces) > 1 and not (args.out_dir or args.bench):
+    traces = _traces(args.traces)
+    if len(traces) > 1 and not (args.out_dir or args.bench):
         print("kvplugin replay: several traces need --out-dir", file=sys.stderr)
         return 2
     rc = 0
-    for path in args.traces:
+    for path in traces:
         try:
             trace = load_trace(path)
             if args.bench:
@@ -56,6 +75,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
             return _trace_error("replay", path, e)
         if result["summary"]["num_errors"]:
             rc = 1
+            first = next(r for r in result["results"] if "error" in r)
+            print(f"kvplugin replay: {path}: {result['summary']['num_errors']} op(s) failed; "
+                  f"the first, op {first['i']} ({first['op']}): {first['error']}",
+                  file=sys.stderr)
         if args.out_dir:
             os.makedirs(args.out_dir, exist_ok=True)
             out = os.path.join(args.out_dir, _stem(path) + ".result.json")
@@ -161,6 +184,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
+    import asyncio
+
+    from kvplugin.engine import interrupt
     from kvplugin.engine.progress import ProgressBar, wanted
     from kvplugin.engine.report import compare_table, comparison
     from kvplugin.engine.run import TierUnavailable, run_compare, run_engine
@@ -174,13 +200,25 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     try:
         if args.compare_no_offload:
             on, off = run_compare(cfg, progress=bar, metrics_port=port,
-                                  metrics_linger_s=linger)
+                                  metrics_linger_s=linger, interruptible=True)
         else:
             on = run_engine(cfg, progress=bar("requests"), metrics_port=port,
-                            metrics_linger_s=linger)
+                            metrics_linger_s=linger, interruptible=True)
             off = None
+    except asyncio.CancelledError:  # a second SIGINT / SIGTERM: stopped at once
+        intr = interrupt.current
+        code = intr.exit_code if intr is not None else 130
+        name = intr.by.name if intr is not None and intr.by is not None else "signal"
+        print(f"kvplugin run: stopped at once ({name} twice); no summary", file=sys.stderr)
+        return code
     except TierUnavailable as e:
         print(f"kvplugin run: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if port is None or e.errno not in (errno.EADDRINUSE, errno.EACCES):
+            raise
+        print(f"kvplugin run: --metrics-port {port}: cannot listen on 127.0.0.1:{port} "
+              f"({e.strerror}); pick another port, or 0 for any free one", file=sys.stderr)
         return 2
     if args.plot:
         from kvplugin.engine.plot import plot_runs
@@ -204,6 +242,12 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     for rep in (on, off):
         for err in rep.ledger_errors() if rep is not None else ():
             print(f"kvplugin run: the token ledger does not add up: {err}", file=sys.stderr)
+    stopped = on.extra.get("interrupted")
+    if stopped is not None:
+        print(f"kvplugin run: interrupted by {stopped}: the summary covers the "
+              f"{on.finished} requests served"
+              + (" (no comparison run)" if args.compare_no_offload else ""), file=sys.stderr)
+        return 128 + int(getattr(signal, stopped))
     return 0 if on.ok() and (off is None or off.ok()) else 1
 
 
@@ -265,6 +309,8 @@ def _run_core(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     if args.save_trace:
         with open(args.save_trace, "w") as f:
             json.dump(r.trace, f)
+        print(f"kvplugin: wrote {args.save_trace} ({len(r.trace['ops'])} ops; replay it with "
+              f"kvplugin replay {args.save_trace})", file=sys.stderr)
     rate = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
     res = sim.rep.describe()
     if args.json:
@@ -285,11 +331,21 @@ def _run_core(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvplugin")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvplugin.validate_cli import add_parser as add_validate_parser
 
     ap = argparse.ArgumentParser(prog="kvplugin", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="replay conformance traces on kvplugin's core")
     rp.add_argument("traces", nargs="+", help="trace JSON file(s)")
@@ -347,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         sys.stdout.flush()
+    except KeyboardInterrupt:  # outside a run's own handling (starting, a replay, ...)
+        print("kvplugin: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # `kvplugin run | head -1`: the reader left. Quietly, as a Unix tool on SIGPIPE
         # (stdout to /dev/null so the interpreter's own flush at exit does not fail too).

@@ -20,12 +20,19 @@ exit 2, each invalid file's errors (file, key path, reason) on stderr.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvplugin.config import KVPluginConfig
 
-__all__ = ["add_parser", "check_manager"]
+__all__ = ["add_parser", "check_manager", "plain_text"]
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as help text: reST's ``literals`` and :role:`targets` as plain words."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     does, with the engine's schema: the library here never imports the engine)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "validate-config", help="validate deployment configs (exit 2 if any is invalid)",
-        description=__doc__,
+        description=plain_text(__doc__ or ""),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="FILE", help="config files (YAML / TOML / JSON)")
     p.add_argument("--no-env", action="store_true",

@@ -20,6 +20,7 @@ from kvplugin.aio.loop import run, uvloop_available
 from kvplugin.connectors.base import Connector, ConnectorStats, Health
 from kvplugin.connectors.faults import FaultInjector
 from kvplugin.connectors.tiered import TieredConnector
+from kvplugin.engine import interrupt
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
 from kvplugin.engine.config import RunConfig
 from kvplugin.engine.loop import LagProbe
@@ -77,33 +78,40 @@ async def serve(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
                 specs: Sequence[RequestSpec] | None = None, progress: Progress | None = None,
                 metrics_port: int | None = None, metrics_linger_s: float = 0.0,
                 stop_at_s: float | None = None,
-                on_result: Callable[[Result, float], None] | None = None) -> RunReport:
+                on_result: Callable[[Result, float], None] | None = None,
+                interruptible: bool = False) -> RunReport:
     """Build the deployment, serve the workload (``specs``, or the config's), close, report.
     ``progress`` gets the requests finished every 100 ms; with ``metrics_port`` the
     deployment is scraped there (0: a free port) until ``metrics_linger_s`` after the end.
     ``stop_at_s``: no request is sent after that (see :func:`drive`); ``on_result`` sees
-    every result with the time it came, in the engine clock's seconds from the start."""
+    every result with the time it came, in the engine clock's seconds from the start.
+    ``interruptible``: SIGINT / SIGTERM stop the run early, and it reports what it served
+    (:mod:`kvplugin.engine.interrupt`; the CLI's runs)."""
     t0 = time.perf_counter()
     probe = LagProbe(cfg.engine.lag_probe_ms / 1000)
     probe.start()
     metrics: MetricsServer | None = None
     try:
-        try:
-            async with deployment(cfg, wrap_tiers=wrap_tiers) as dep:
-                tier_warnings = await check_tiers(dep, required=cfg.offload.require_tiers)
-                if metrics_port is not None:
-                    from kvplugin.metrics import start_metrics_server
+        # Signals are handled until the deployment is closed: a second one cancels this
+        # task, and the tiers still close (a temp:// directory is removed) on the way out.
+        with interrupt.interruptible(interruptible) as intr:
+            try:
+                async with deployment(cfg, wrap_tiers=wrap_tiers) as dep:
+                    tier_warnings = await check_tiers(dep, required=cfg.offload.require_tiers)
+                    if metrics_port is not None:
+                        from kvplugin.metrics import start_metrics_server
 
-                    metrics = start_metrics_server(dep, port=metrics_port)
-                    logger.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
-                feed = workload_stream(dep, cfg) if specs is None else specs
-                total = len(specs) if specs is not None else cfg.workload.num_requests
-                served = await _served(dep, feed, progress, total, stop_at_s, on_result)
-                await dep.mgr.drain()
-                dep.engine.flush_events()  # the last stores' events reach the subscribers
-            wall = time.perf_counter() - t0
-        finally:
-            await probe.stop()
+                        metrics = start_metrics_server(dep, port=metrics_port)
+                        logger.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
+                    feed = workload_stream(dep, cfg) if specs is None else specs
+                    total = len(specs) if specs is not None else cfg.workload.num_requests
+                    served = await _served(dep, feed, progress, total, stop_at_s, on_result,
+                                           None if intr is None else intr.halt)
+                    await dep.mgr.drain()
+                    dep.engine.flush_events()  # the last stores' events reach subscribers
+                wall = time.perf_counter() - t0
+            finally:
+                await probe.stop()
         out = report(dep, served, wall, probe)
         if metrics is not None and metrics_linger_s > 0:
             # The final numbers, for a last scrape; said, or the finished run looks hung.
@@ -120,6 +128,8 @@ async def serve(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
     out.extra["workload_prompt_tokens"] = served.prompt_tokens
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     out.extra["clock"] = "simulated" if cfg.engine.deterministic else "real"
+    if intr is not None and intr.by is not None:
+        out.extra["interrupted"] = intr.by.name
     cost = deployment_cost(cfg)
     out.extra["model_cost"] = cfg.engine.model_cost
     if cost is not None:  # what the simulated times stand for
@@ -146,7 +156,8 @@ def workload_stream(dep: Deployment, cfg: RunConfig) -> Iterator[RequestSpec]:
 
 async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progress | None,
                   total: int, stop_at_s: float | None = None,
-                  on_result: Callable[[Result, float], None] | None = None) -> Served:
+                  on_result: Callable[[Result, float], None] | None = None,
+                  halt: asyncio.Event | None = None) -> Served:
     """:func:`drive`, keeping what the report needs (:class:`Served`: no per-request
     result), recording the time series and feeding the progress bar (from a task of its
     own: the engine's step never waits for the terminal)."""
@@ -177,7 +188,7 @@ async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progr
                                                         name="progress")
     try:
         await drive(dep.engine, specs, on_finish=finished, on_feed=served.fed,
-                    keep_results=False, stop_at_s=stop_at_s)
+                    keep_results=False, stop_at_s=stop_at_s, halt=halt)
     finally:
         if ticker is not None:
             ticker.cancel()
@@ -304,14 +315,18 @@ def without_offload(cfg: RunConfig) -> RunConfig:
 
 
 async def serve_compare(cfg: RunConfig, *, progress: ProgressFor | None = None,
-                        metrics_port: int | None = None, metrics_linger_s: float = 0.0
-                        ) -> tuple[RunReport, RunReport]:
+                        metrics_port: int | None = None, metrics_linger_s: float = 0.0,
+                        interruptible: bool = False) -> tuple[RunReport, RunReport | None]:
     """The workload with offload as configured, then the very same requests (same specs)
-    with offload off. The metrics endpoint, if any, serves the first run."""
+    with offload off (None: the first run was interrupted). The metrics endpoint, if any,
+    serves the first run."""
     bar = progress or (lambda _label: None)
     on = await serve(cfg, progress=bar("offload on"), metrics_port=metrics_port,
-                     metrics_linger_s=metrics_linger_s)
-    off = await serve(without_offload(cfg), specs=on.specs or None, progress=bar("offload off"))
+                     metrics_linger_s=metrics_linger_s, interruptible=interruptible)
+    if "interrupted" in on.extra:
+        return on, None
+    off = await serve(without_offload(cfg), specs=on.specs or None, progress=bar("offload off"),
+                      interruptible=interruptible)
     return on, off
 
 
@@ -321,15 +336,17 @@ def _use_uvloop(cfg: RunConfig) -> bool:
 
 def run_engine(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
                progress: Progress | None = None, metrics_port: int | None = None,
-               metrics_linger_s: float = 0.0) -> RunReport:
+               metrics_linger_s: float = 0.0, interruptible: bool = False) -> RunReport:
     """:func:`serve` on a fresh event loop (uvloop when configured and installed)."""
     return run(serve(cfg, wrap_tiers=wrap_tiers, progress=progress, metrics_port=metrics_port,
-                     metrics_linger_s=metrics_linger_s), use_uvloop=_use_uvloop(cfg))
+                     metrics_linger_s=metrics_linger_s, interruptible=interruptible),
+               use_uvloop=_use_uvloop(cfg))
 
 
 def run_compare(cfg: RunConfig, *, progress: ProgressFor | None = None,
-                metrics_port: int | None = None, metrics_linger_s: float = 0.0
-                ) -> tuple[RunReport, RunReport]:
+                metrics_port: int | None = None, metrics_linger_s: float = 0.0,
+                interruptible: bool = False) -> tuple[RunReport, RunReport | None]:
     """:func:`serve_compare` on a fresh event loop."""
     return run(serve_compare(cfg, progress=progress, metrics_port=metrics_port,
-                             metrics_linger_s=metrics_linger_s), use_uvloop=_use_uvloop(cfg))
+                             metrics_linger_s=metrics_linger_s, interruptible=interruptible),
+               use_uvloop=_use_uvloop(cfg))

@@ -119,16 +119,17 @@ class _Family:
 async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
                 on_finish: Callable[[Result], None] | None = None,
                 on_feed: Callable[[RequestSpec], None] | None = None,
-                keep_results: bool = True, stop_at_s: float | None = None
-                ) -> dict[str, Result]:
+                keep_results: bool = True, stop_at_s: float | None = None,
+                halt: asyncio.Event | None = None) -> dict[str, Result]:
     """Serve ``specs`` on ``engine`` (which this runs) until every one has finished;
     ``on_finish`` sees each result as its client gets it, ``on_feed`` each spec as its
     client sends it. A request without a parent is sent at its arrival time; a follow-up or
     resend waits for its parent's answer, then sends once its think time after that answer
     and its gap after the parent was sent have both passed. With ``stop_at_s``, a request
     whose time comes at or after that many seconds from the start is not sent, nor are its
-    children (a benchmark that runs for a fixed time). Returns the results by id (empty with
-    ``keep_results`` off: a long run keeps none)."""
+    children (a benchmark that runs for a fixed time); once ``halt`` is set, likewise for
+    every request not sent yet (an interrupted run drains what is in flight). Returns the
+    results by id (empty with ``keep_results`` off: a long run keeps none)."""
     clock = engine.clock
     start = clock.now()
     stop = None if stop_at_s is None else start + stop_at_s
@@ -150,6 +151,11 @@ async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
             family.not_sent(spec.request_id)
             return
         await clock.sleep_until(at)
+        if halt is not None and halt.is_set():
+            if spec.after is not None:
+                family.built(spec.after)
+            family.not_sent(spec.request_id)
+            return
         prompt = build_prompt(spec, family.done)
         if spec.after is not None:
             family.built(spec.after)
@@ -173,6 +179,8 @@ async def drive(engine: Engine, specs: Iterable[RequestSpec], *,
         try:
             async with asyncio.TaskGroup() as tg:
                 for spec in specs:
+                    if halt is not None and halt.is_set():
+                        break
                     if spec.after is None and (stop is None or start + spec.at_s < stop):
                         await clock.sleep_until(start + spec.at_s)
                     family.feed(spec)
