@@ -571,8 +571,8 @@ class DiskConnector(StoreBase):
             raise BackendUnavailable(f"{self.name} is closed")
         try:
             problem = await _in_thread(
-                root.run, diskio.root_problem, self.root, executor=self._executor
-            )
+                root.run, diskio.root_problem, self.root, self.capacity_bytes - self._used,
+                executor=self._executor)
         except OSError as exc:
             raise _os_error(exc, f"checking {self.root}") from exc
         if problem is not None:

@@ -240,8 +240,13 @@ def _in_use(path: str, dirfd: int) -> DirectoryInUse:
     )
 
 
-def root_problem(dirfd: int, path: str) -> str | None:
-    """Why the root cannot take writes (``None``: it can): gone, replaced, or read-only."""
+PROBE_BYTES = 4096
+
+
+def root_problem(dirfd: int, path: str, room: int = 0) -> str | None:
+    """Why the root cannot take writes (``None``: it can): gone, replaced, read-only, less
+    free space than the ``room`` the tier may still fill, or a test write that fails (a full
+    file system, a quota)."""
     try:
         st, ours = os.stat(path), os.fstat(dirfd)
     except OSError as exc:
@@ -250,6 +255,22 @@ def root_problem(dirfd: int, path: str) -> str | None:
         return f"{path} was removed or replaced while open"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{path} is not writable"
+    vfs = os.fstatvfs(dirfd)
+    free = vfs.f_bavail * vfs.f_frsize
+    if free < room:
+        return (f"{path}: {free} bytes free, less than the {room} bytes the tier may still "
+                "fill (its capacity): writes would fail before it evicts")
+    name = f".probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600,
+                     dir_fd=dirfd)
+        try:
+            os.write(fd, bytes(PROBE_BYTES))
+        finally:
+            os.close(fd)
+            os.unlink(name, dir_fd=dirfd)
+    except OSError as exc:
+        return f"{path}: a test write failed: {exc.strerror}"
     return None
 
 

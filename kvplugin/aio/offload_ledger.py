@@ -344,6 +344,8 @@ class OffloadLedger:
         n, states = len(plan.objects), len(plan.states)
         if not done:
             c.stores_failed += n
+            for tier in self._tiers:  # no tier took every write
+                _bump(c.store_failures_by_tier, tier, n)
             rq.hole = min(rq.hole, plan.first_token)
             return
         s.stored_states += states
@@ -355,6 +357,8 @@ class OffloadLedger:
             counts = (min(counts, default=n),) * len(self._tiers)
         for tier, k in zip(self._tiers, counts, strict=True):
             _bump(c.stored_bytes_by_tier, tier, plan.nbytes * min(k, n) // max(1, n))
+            if k < n:  # written through, but not to this tier
+                _bump(c.store_failures_by_tier, tier, n - k)
 
     def _check_open(self, plan: StorePlan) -> None:
         rid = plan.request.request_id

@@ -223,6 +223,8 @@ class TenantCounters:
     stored_bytes: int = 0
     stored_bytes_by_tier: dict[str, int] = field(default_factory=dict)
     stores_failed: int = 0
+    # Objects a tier did not take (its write failed; another tier may hold them): per tier.
+    store_failures_by_tier: dict[str, int] = field(default_factory=dict)
     stores_shed: int = 0
     stores_shed_quota: int = 0
     stores_deduplicated: int = 0

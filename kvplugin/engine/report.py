@@ -169,7 +169,10 @@ class RunReport:
                       f"{x.get('skipped_load_tokens', 0)} hit tokens computed: loading "
                       "them was slower)"),
             ("stores", f"{self.stores} objects ({self.stores_shed} shed, "
-                       f"{x.get('stores_failed', 0)} failed)"),
+                       f"{x.get('stores_failed', 0)} failed"
+                       + "".join(f", {n} failed on {t}" for t, n
+                                 in x.get("store_failures_by_tier", {}).items() if n)
+                       + ")"),
             ("tier errors", ", ".join(f"{t} {n}" for t, n in x.get("tier_errors", {}).items())
              or "none"),
             ("KV checks", f"{x.get('pages_checked', 0)} pages, {self.kv_mismatches} mismatches, "

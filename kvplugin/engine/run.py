@@ -248,6 +248,7 @@ def report(dep: Deployment, served: Served, wall: float,
         loads_skipped_slower_than_recompute=dict(ms.loads_skipped_slower_than_recompute),
         skipped_load_tokens=ms.skipped_load_tokens, load_probes=ms.load_probes,
         stores_failed=ms.stores_failed, stores_deduplicated=ms.stores_deduplicated,
+        store_failures_by_tier=store_failures_by_tier(dep),
         bytes_stored=stored, bytes_loaded=loaded,
         pages_checked=model.pages_checked, states_checked=model.states_checked,
         state_mismatches=model.state_mismatches, loaded_states=ms.loaded_states,
@@ -267,6 +268,17 @@ def _tier_stats(dep: Deployment) -> list[ConnectorStats]:
     if conn is None:
         return []
     return conn.tier_stats() if isinstance(conn, TieredConnector) else [conn.stats()]
+
+
+def store_failures_by_tier(dep: Deployment) -> dict[str, int]:
+    """Objects each tier did not take (a failed write; another tier may hold them), by the
+    report's tier names; every tier listed."""
+    out = dict.fromkeys(dep.tier_labels, 0)
+    names = _labels(dep)
+    for counters in dep.mgr.offloads.tenants().values():
+        for tier, n in counters.store_failures_by_tier.items():
+            out[names.get(tier, tier)] += n
+    return out
 
 
 def tier_errors(dep: Deployment) -> dict[str, int]:
