@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Self, TypeVar
 from kvplugin import serde
 from kvplugin.connectors.events import DEFAULT_EVENT_LIMIT, EventLog, TierEvent
 from kvplugin.connectors.keys import ObjectKey
+from kvplugin.connectors.refusals import RefusalLog, reason_of
 from kvplugin.serde import PLAIN, Block, BlockFormatError, Codec, DraftBlock, EncodedBlock
 
 if TYPE_CHECKING:
@@ -140,6 +141,11 @@ class ConnectorStats:
     hits: int = 0  # objects returned by get
     misses: int = 0  # keys get did not return (absent, corrupt, failed)
     corrupt_detected: int = 0  # objects that failed verification (and were deleted)
+    # ... of which, by reason (kvplugin.connectors.refusals.REASONS):
+    corrupt_checksum: int = 0
+    corrupt_metadata: int = 0
+    corrupt_truncated: int = 0
+    corrupt_format: int = 0
     errors: int = 0  # calls that failed in the backend
     timeouts: int = 0  # calls cut by their deadline
     stored: int = 0  # objects written
@@ -150,6 +156,12 @@ class ConnectorStats:
     evicted: int = 0  # objects removed to respect a budget
     bytes_in: int = 0  # bytes of verified objects read from the backend
     bytes_out: int = 0  # bytes written to the backend
+
+    def refused(self, reason: str, n: int = 1) -> None:
+        """``n`` objects refused for ``reason`` (one of refusals.REASONS)."""
+        self.corrupt_detected += n
+        name = f"corrupt_{reason}"
+        setattr(self, name, getattr(self, name) + n)
 
     def copy(self) -> ConnectorStats:
         return ConnectorStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -531,6 +543,7 @@ class StoreBase(Guarded, Connector):
         self.capabilities = capabilities
         self._codec = Codec.create(secret, previous_secrets)
         self._stats = ConnectorStats()
+        self._refusals = RefusalLog(logger)
         self._closed = False
 
     @property
@@ -634,9 +647,10 @@ class StoreBase(Guarded, Connector):
         if isinstance(item, Block) and not key.matches(item.meta):
             item = serde.MetadataMismatch("namespace fields differ from the key's")
         if isinstance(item, BlockFormatError):
-            self._stats.corrupt_detected += 1
+            reason = reason_of(item)
+            self._stats.refused(reason)
             corrupt.append(key.id)
-            logger.warning("%s: dropping corrupt object %s: %s", self.name, key.id, item)
+            self._refusals.refused(self.name, key.id, reason, item)
             item = None
         if item is None:
             self._stats.misses += 1
@@ -730,6 +744,7 @@ class StoreBase(Guarded, Connector):
         if self._closed:
             return
         self._closed = True
+        self._refusals.flush(self.name)  # what the last interval held back
         await self._close()
         if self._event_log is not None:  # nothing of it is reachable through us any more
             self._event_log.cleared("closed")

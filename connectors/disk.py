@@ -224,7 +224,7 @@ class DiskConnector(StoreBase):
             root.close()
             return
         self._root = root
-        self._stats.corrupt_detected += foreign  # removed: not object files
+        self._stats.refused("format", foreign)  # removed: not object files
         for sid, size in found:
             self._add(sid, size)
         victims = self._evict_until(0)

@@ -228,7 +228,7 @@ class RedisStoreBase(StoreBase):
         bad = [i for i, length in enumerate(lengths) if length is WRONG_TYPE or length == 0]
         wrong = sum(1 for length in lengths if length is WRONG_TYPE)
         if wrong:
-            self._stats.corrupt_detected += wrong
+            self._stats.refused("format", wrong)
             self._log.warning("%s put: replacing %d non-string value(s)", self.name, wrong)
         if bad:
             # A plain SET replaces a value of any type, atomically: no UNLINK needed.
@@ -244,7 +244,7 @@ class RedisStoreBase(StoreBase):
     async def _drop_wrong_type(self, op: str, ids: list[str]) -> None:
         """Non-string values under our keys: count them as corrupt and remove them (a failed
         removal is counted and retried by the next call that finds them)."""
-        self._stats.corrupt_detected += len(ids)
+        self._stats.refused("format", len(ids))
         self._evicted(ids, "corrupt")
         self._log.warning("%s %s: removing %d non-string value(s)", self.name, op, len(ids))
         try:

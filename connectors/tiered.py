@@ -436,6 +436,10 @@ class TieredConnector(Guarded, Connector):
             total = total + tier.stats()
         for name in (
             "corrupt_detected",
+            "corrupt_checksum",
+            "corrupt_metadata",
+            "corrupt_truncated",
+            "corrupt_format",
             "stored",
             "existing",
             "rejected",

@@ -50,6 +50,7 @@ from kvplugin.aio.manager import AsyncKVManager
 from kvplugin.aio.tenants import TenantStats
 from kvplugin.aio.values import Histogram, Latency, OffloadStats, Residency
 from kvplugin.connectors.base import ConnectorStats
+from kvplugin.connectors.refusals import REASONS
 
 __all__ = ["METRICS", "METRIC_NAMES", "ManagerSource", "MetricsServer", "build_registry",
            "snapshot", "start_metrics_server"]
@@ -130,6 +131,9 @@ METRICS: tuple[MetricDoc, ...] = (
          "Cached device blocks evicted over the tenant's cached-block quota."),
     _doc("kvplugin_corrupt_objects_total", "counter", "tier",
          "Objects a tier found corrupt or forged on read (counted misses, deleted)."),
+    _doc("kvplugin_refused_objects_total", "counter", "tier reason",
+         "The same objects by reason: checksum (or MAC), metadata (another key's or "
+         "namespace's), truncated, format (not a kvplugin object)."),
     _doc("kvplugin_tier_errors_total", "counter", "tier",
          "Backend calls of a tier that failed."),
     _doc("kvplugin_tier_timeouts_total", "counter", "tier",
@@ -314,7 +318,7 @@ _counter = _gauge = _family
 
 
 def _add(out: dict[tuple[str, ...], float], key: tuple[str, ...], value: float) -> None:
-    # Two tiers of one kind (two memory tiers) share a label: their values add up.
+    # A label is a tier's name (unique); a value booked twice under one key adds up.
     out[key] = out.get(key, 0) + value
 
 
@@ -391,6 +395,11 @@ def _tiers(s: Snapshot) -> Iterator[Metric]:
         for label, st in zip(s.level_labels, s.tier_stats, strict=True):
             _add(out, (label,), getattr(st, attr))
         yield _counter(name, out)
+    refused: dict[tuple[str, ...], float] = {}
+    for label, st in zip(s.level_labels, s.tier_stats, strict=True):
+        for reason in REASONS:
+            _add(refused, (label, reason), getattr(st, f"corrupt_{reason}"))
+    yield _counter("kvplugin_refused_objects_total", refused)
 
 
 def _le(bound: float) -> str:

@@ -175,6 +175,7 @@ class RunReport:
                        + ")"),
             ("tier errors", ", ".join(f"{t} {n}" for t, n in x.get("tier_errors", {}).items())
              or "none"),
+            ("refused", _refused(x.get("refused_objects", {}))),
             ("KV checks", f"{x.get('pages_checked', 0)} pages, {self.kv_mismatches} mismatches, "
                           f"{self.cross_tenant_hits} cross-tenant"),
             *self._state_rows(),
@@ -312,3 +313,13 @@ def compare_table(on: RunReport, off: RunReport) -> str:
     ratios = ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}"
                        for k, v in comparison(on, off).items())
     return render(rows) + f"\nratios (on / off): {ratios}"
+
+
+def _refused(by_tier: dict[str, dict[str, int]]) -> str:
+    """"disk 12 (checksum 10, truncated 2), redis 0": the objects each tier refused."""
+    parts = []
+    for tier, reasons in by_tier.items():
+        n = sum(reasons.values())
+        why = ", ".join(f"{r} {k}" for r, k in reasons.items() if k)
+        parts.append(f"{tier} {n}" + (f" ({why})" if why else ""))
+    return (", ".join(parts) + " objects (damaged: dropped, recomputed)") if parts else "none"

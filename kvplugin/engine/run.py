@@ -19,6 +19,7 @@ from kvplugin.aio.jobs import connector_tiers
 from kvplugin.aio.loop import run, uvloop_available
 from kvplugin.connectors.base import Connector, ConnectorStats, Health
 from kvplugin.connectors.faults import FaultInjector
+from kvplugin.connectors.refusals import REASONS
 from kvplugin.connectors.tiered import TieredConnector
 from kvplugin.engine import interrupt
 from kvplugin.engine.build import Deployment, TierWrapper, deployment, workload_tenancy
@@ -238,7 +239,7 @@ def report(dep: Deployment, served: Served, wall: float,
     out.extra.update(
         token_ledger=sources, recomputed_after=dict(books.recomputed_after),
         discarded_tokens=books.discarded_tokens, prefill_work_tokens=es.computed_prompt_tokens,
-        tier_errors=tier_errors(dep),
+        tier_errors=tier_errors(dep), refused_objects=refused_objects(dep),
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
         peak_running_tokens=es.peak_running_tokens,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
@@ -287,6 +288,12 @@ def tier_errors(dep: Deployment) -> dict[str, int]:
     for label, st in zip(dep.tier_labels, _tier_stats(dep), strict=True):
         out[label] = out.get(label, 0) + st.errors + st.timeouts
     return out
+
+
+def refused_objects(dep: Deployment) -> dict[str, dict[str, int]]:
+    """Per tier, the objects it refused on load (and dropped), by reason."""
+    return {label: {r: getattr(st, f"corrupt_{r}") for r in REASONS}
+            for label, st in zip(dep.tier_labels, _tier_stats(dep), strict=True)}
 
 
 def tier_bytes(dep: Deployment) -> tuple[dict[str, int], dict[str, int]]:
