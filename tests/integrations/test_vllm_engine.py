@@ -38,7 +38,7 @@ def _engine_python() -> str:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     py = _engine_python()
-    names = [*MODELS, "serve", "asyncllm", "tenancy", "roles"]
+    names = [*MODELS, "serve", "asyncllm", "tenancy", "roles", "doc"]
     if LocalRedisServer.available():
         names.append("redis")
     elif os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
@@ -123,6 +123,22 @@ def test_damaged_objects_are_refused_and_outputs_still_equal(results: dict[str, 
         assert st["stores_withheld"] > 0
     else:
         assert st.get("stores_withheld", 0) == 0
+
+
+def test_the_vllm_pages_command_and_config_serve_a_second_server(
+        results: dict[str, Any]) -> None:
+    """docs/vllm.md's CPU command with configs/vllm_disk.yaml, as the page writes it, twice:
+    both start, the first computes the prompt, the second gets it from the disk tier the
+    first left (and both stop cleanly within the page's --shutdown-timeout)."""
+    rec = results["doc"]
+    cmd = rec["command"]
+    assert cmd[:3] == ["$PY", "-m", "vllm.entrypoints.openai.api_server"]
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1])[
+        "kv_connector_extra_config"] == {"config_file": "configs/vllm_disk.yaml"}
+    first, second = rec["runs"]
+    assert first["cached"] == 0 and rec["objects_on_disk"] == 5  # 160 tokens: 5 chunks
+    assert second["cached"] >= 128 and second["tokens"] == first["tokens"]
+    assert first["exit"] == second["exit"] == 0
 
 
 def test_redis_tier_serves_a_fresh_engine(results: dict[str, Any]) -> None:

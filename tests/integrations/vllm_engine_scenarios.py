@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_doc_scenario import doc_scenario
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -494,7 +496,8 @@ def main(argv: list[str]) -> int:
     workdir = Path(argv[0])
     special = {"redis": redis_scenario, "serve": serve_scenario,
                "asyncllm": asyncllm_scenario, "tenancy": tenancy_scenario,
-               "roles": roles_scenario}
+               "roles": roles_scenario,
+               "doc": lambda w: doc_scenario(w, make_model, _free_port)}
     for name in argv[1:]:
         fn = special.get(name)
         rec = fn(workdir) if fn is not None else model_scenario(workdir, name)
