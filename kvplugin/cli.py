@@ -188,7 +188,7 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
 
     from kvplugin.engine import interrupt
     from kvplugin.engine.progress import ProgressBar, wanted
-    from kvplugin.engine.report import compare_table, comparison
+    from kvplugin.engine.report import compare_table, comparison, verdict, verdict_line
     from kvplugin.engine.run import TierUnavailable, run_compare, run_engine
 
     show = wanted(args.progress, json=args.json, stream=sys.stderr)
@@ -197,8 +197,10 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
         return ProgressBar(sys.stderr, desc=label) if show else None
 
     port, linger = args.metrics_port, args.metrics_linger
+    # The verdict compares with offload off on the same requests: a second, shorter run.
+    compare = args.compare_no_offload or (cfg.offload.enabled and not args.no_verdict)
     try:
-        if args.compare_no_offload:
+        if compare:
             on, off = run_compare(cfg, progress=bar, metrics_port=port,
                                   metrics_linger_s=linger, interruptible=True)
         else:
@@ -225,20 +227,23 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
 
         plot_runs(args.plot, on, off)
         print(f"kvplugin: wrote {args.plot}", file=sys.stderr)
+    found = None if off is None else verdict(on, off)
     if args.json:
         out = on.as_dict()
-        if off is not None:
+        if off is not None and args.compare_no_offload:
             out["no_offload"] = off.as_dict()
             out["comparison"] = comparison(on, off)
+        out["verdict"] = found
         print(json.dumps(out))
     else:
         tiers = on.extra["tiers"]
         print(f"kvplugin: served {source} on the async engine, "
               + (f"offload to {' + '.join(tiers)}" if tiers else "offload off"))
         print(on.table())
-        if off is not None:
+        if off is not None and args.compare_no_offload:
             print("\nthe same requests with offload off:")
             print(compare_table(on, off))
+        print("\n" + (verdict_line(found) if found is not None else _no_verdict(cfg, args)))
     for rep in (on, off):
         for err in rep.ledger_errors() if rep is not None else ():
             print(f"kvplugin run: the token ledger does not add up: {err}", file=sys.stderr)
@@ -249,6 +254,15 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
               + (" (no comparison run)" if args.compare_no_offload else ""), file=sys.stderr)
         return 128 + int(getattr(signal, stopped))
     return 0 if on.ok() and (off is None or off.ok()) else 1
+
+
+def _no_verdict(cfg: RunConfig, args: argparse.Namespace) -> str:
+    if not cfg.offload.enabled:
+        return "verdict: none: offload is off in this config (nothing to compare)"
+    if args.no_verdict:
+        return ("verdict: not asked (--no-verdict); drop it, or add --compare-no-offload for "
+                "the side-by-side table")
+    return "verdict: none: the run was interrupted before the comparison"
 
 
 def cmd_validate_config(args: argparse.Namespace) -> int:
@@ -275,7 +289,7 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 
 
 # Flags only the engine run has; the core-only simulation says it ignores them.
-ENGINE_ONLY = ("compare_no_offload", "plot", "metrics_port")
+ENGINE_ONLY = ("compare_no_offload", "no_verdict", "plot", "metrics_port")
 
 
 def _check_run_flags(args: argparse.Namespace) -> str | None:
@@ -378,7 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draw a progress bar on stderr (default: on a terminal, not with "
                           "--json)")
     run.add_argument("--compare-no-offload", action="store_true",
-                     help="serve the same requests again with offload off and compare")
+                     help="print the side-by-side table of the same requests served with "
+                          "offload off (the verdict line always compares them)")
+    run.add_argument("--no-verdict", action="store_true",
+                     help="skip the comparison run behind the verdict line")
     run.add_argument("--plot", metavar="FILE.png",
                      help="plot the hit share by tier and the TTFT over time to FILE.png")
     run.add_argument("--metrics-port", type=int, metavar="N",

@@ -41,12 +41,20 @@ CORE_ONLY: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").iterdir()), ids=lambda p: p.name)
-def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest) -> None:
+def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest,
+                                   tmp_path: Path) -> None:
     cfg = load_config(path, env={}, schema=RunConfig)
     if cfg.offload.remote_url is not None:  # never the file's server: the test's own
         server = request.getfixturevalue("local_redis")
         cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(
             update={"remote_url": server.url})})
+    persistent = cfg.offload.disk_path is not None
+
+    def fresh(run: str) -> RunConfig:  # never the machine's directory: a fresh one per run
+        if not persistent:
+            return cfg
+        return cfg.model_copy(update={"offload": cfg.offload.model_copy(
+            update={"local_disk": str(tmp_path / run)})})
     # Every shipped layout must build a core manager.
     Simulation(cfg.layout.as_trace_config(), Workload(num_requests=1), Limits())
     reason = engine_supports(cfg.layout, cfg.model)
@@ -56,10 +64,10 @@ def test_shipped_configs_are_valid(path: Path, request: pytest.FixtureRequest) -
     assert reason is None
     # And it serves a few requests on the engine, offload on, every hit checked.
     small = cfg.workload.model_copy(update={"num_requests": 6})
-    report = run_engine(cfg.model_copy(update={"workload": small}))
+    report = run_engine(fresh("first").model_copy(update={"workload": small}))
     assert report.ok() and report.finished == 6 and report.failed == 0
     if cfg.offload.remote_url is None:  # Redis keeps the first run's objects: another state
-        again = run_engine(cfg.model_copy(update={"workload": small}))
+        again = run_engine(fresh("again").model_copy(update={"workload": small}))
         assert decided(again.as_dict()) == decided(report.as_dict())  # the same seed
     assert report.ledger_errors() == []
     assert report.prompt_tokens == report.extra["workload_prompt_tokens"]

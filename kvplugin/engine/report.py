@@ -117,8 +117,11 @@ class RunReport:
 
     @property
     def throughput(self) -> float:
-        """Finished requests per second of wall time."""
-        return self.finished / self.wall_s if self.wall_s > 0 else 0.0
+        """Finished requests per second of the engine's clock (``extra["clock"]``: the
+        simulated model time by default, real time with --realtime), from the first
+        request to the last answer; this machine's wall time is ``wall_s``."""
+        span = float(self.extra.get("served_s", 0.0))
+        return self.finished / span if span > 0 else 0.0
 
     def share(self, tokens: int) -> float:
         """``tokens`` as a share of the prompt tokens (every share's denominator)."""
@@ -280,10 +283,12 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def comparison(on: RunReport, off: RunReport) -> dict[str, float | None]:
+def comparison(on: RunReport, off: RunReport) -> dict[str, float | str | None]:
     """Offload on over off (None where off is zero): below 1 for the recomputation and the
-    TTFT, above 1 for the throughput, when offload pays."""
+    TTFT, above 1 for the throughput, when offload pays; TTFT and throughput on the
+    engine's clock (``clock``), both runs on the same one."""
     return {
+        "clock": str(on.extra.get("clock", "simulated")),
         "recompute_ratio": _ratio(on.computed_prompt_tokens, off.computed_prompt_tokens),
         "ttft_p50_ratio": _ratio(on.extra.get("ttft_p50_ms", 0.0),
                                  off.extra.get("ttft_p50_ms", 0.0)),
@@ -297,20 +302,22 @@ def compare_table(on: RunReport, off: RunReport) -> str:
         return [name, str(f(on)), str(f(off))]
 
     sources = list(dict.fromkeys([*on.hit_tokens, *off.hit_tokens]))
+    clock = f"{on.extra.get('clock', 'simulated')} time"
     rows = [
         ["", "offload on", "offload off"],
         row("requests finished", lambda r: f"{r.finished}/{r.requests}"),
         row("prompt tokens", lambda r: r.prompt_tokens),
         row("computed prompt tokens", lambda r: r.computed_prompt_tokens),
         *(row(f"hit tokens {s}", lambda r, s=s: r.hit_tokens.get(s, 0)) for s in sources),
-        row("TTFT p50 ms", lambda r: r.extra.get("ttft_p50_ms", 0)),
-        row("TTFT p99 ms", lambda r: r.extra.get("ttft_p99_ms", 0)),
-        row("step p50 ms", lambda r: r.extra.get("step_ms_p50", 0)),
-        row("step p99 ms", lambda r: r.extra.get("step_ms_p99", 0)),
-        row("requests/s", lambda r: f"{r.throughput:.2f}"),
-        row("wall s", lambda r: f"{r.wall_s:.2f}"),
+        row(f"TTFT p50 ms ({clock})", lambda r: r.extra.get("ttft_p50_ms", 0)),
+        row(f"TTFT p99 ms ({clock})", lambda r: r.extra.get("ttft_p99_ms", 0)),
+        row(f"served in s ({clock})", lambda r: r.extra.get("served_s", 0)),
+        row(f"requests/s ({clock})", lambda r: f"{r.throughput:.2f}"),
+        row("step p50 ms (wall)", lambda r: r.extra.get("step_ms_p50", 0)),
+        row("step p99 ms (wall)", lambda r: r.extra.get("step_ms_p99", 0)),
+        row("run s (wall, this machine)", lambda r: f"{r.wall_s:.2f}"),
     ]
-    ratios = ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}"
+    ratios = ", ".join(f"{k} {'n/a' if v is None else v if isinstance(v, str) else f'{v:.3f}'}"
                        for k, v in comparison(on, off).items())
     return render(rows) + f"\nratios (on / off): {ratios}"
 
@@ -323,3 +330,33 @@ def _refused(by_tier: dict[str, dict[str, int]]) -> str:
         why = ", ".join(f"{r} {k}" for r, k in reasons.items() if k)
         parts.append(f"{tier} {n}" + (f" ({why})" if why else ""))
     return (", ".join(parts) + " objects (damaged: dropped, recomputed)") if parts else "none"
+
+
+NO_COST_MODEL = ("the config's engine timings (engine.prefill_token_ms / decode_step_ms; "
+                 "loads cost nothing)")
+
+
+def verdict(on: RunReport, off: RunReport) -> dict[str, Any]:
+    """Did offload help this run? The same requests served with offload off: prefill tokens
+    saved, TTFT p50 with and without, on which clock and whose model time."""
+    without, with_ = off.computed_prompt_tokens, on.computed_prompt_tokens
+    return {
+        "requests": on.finished,
+        "prefill_tokens_saved": without - with_,
+        "prefill_tokens_without_offload": without,
+        "ttft_p50_ms_with_offload": on.extra.get("ttft_p50_ms", 0.0),
+        "ttft_p50_ms_without_offload": off.extra.get("ttft_p50_ms", 0.0),
+        "clock": on.extra.get("clock", "simulated"),
+        "model_time": on.extra.get("model_cost_deployment") or NO_COST_MODEL,
+    }
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    """The headline: one line, last."""
+    saved, without = v["prefill_tokens_saved"], v["prefill_tokens_without_offload"]
+    share = f" ({saved / without:.1%})" if without else ""
+    with_, no = v["ttft_p50_ms_with_offload"], v["ttft_p50_ms_without_offload"]
+    ratio = f" ({with_ / no:.2f}x)" if no else ""
+    return (f"verdict: offload saved {saved} of {without} prefill tokens{share} on the same "
+            f"{v['requests']} requests; TTFT p50 {with_} ms with it, {no} ms without{ratio}; "
+            f"{v['clock']} time, model time: {v['model_time']}")

@@ -129,6 +129,7 @@ async def serve(cfg: RunConfig, *, wrap_tiers: TierWrapper | None = None,
     out.extra["workload_prompt_tokens"] = served.prompt_tokens
     out.extra["loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]
     out.extra["clock"] = "simulated" if cfg.engine.deterministic else "real"
+    out.extra["served_s"] = round(served.span_s, 6)  # on that clock
     if intr is not None and intr.by is not None:
         out.extra["interrupted"] = intr.by.name
     cost = deployment_cost(cfg)
@@ -190,6 +191,7 @@ async def _served(dep: Deployment, specs: Iterable[RequestSpec], progress: Progr
     try:
         await drive(dep.engine, specs, on_finish=finished, on_feed=served.fed,
                     keep_results=False, stop_at_s=stop_at_s, halt=halt)
+        served.span_s = clock.now() - start
     finally:
         if ticker is not None:
             ticker.cancel()

@@ -52,6 +52,7 @@ class Served:
     kinds: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0  # of the specs sent (a prompt's length is known in advance)
     timeline: Timeline = field(default_factory=Timeline)
+    span_s: float = 0.0  # from the first request to the last answer, on the engine's clock
 
     def fed(self, spec: RequestSpec) -> None:
         self.kinds[spec.kind] = self.kinds.get(spec.kind, 0) + 1

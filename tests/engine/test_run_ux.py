@@ -181,7 +181,9 @@ def test_the_bar_appears_only_when_forced_and_json_stays_parseable(
         capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _main(capsys, "--requests", "10", "--progress", "--json")
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["finished"] == 10
-    assert "requests: 100%" in err and "10/10" in err and "hit " in err
+    # Two runs: the one reported, and the same requests with offload off for the verdict.
+    assert "offload on: 100%" in err and "offload off: 100%" in err and "10/10" in err
+    assert "hit " in err
     rc, out, err = _main(capsys, "--requests", "10", "--json")
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["finished"] == 10
     assert "req/s" not in err and "10/10" not in err
@@ -200,7 +202,17 @@ def test_compare_no_offload_and_plot_on_the_default_config(tmp_path: Path) -> No
     assert off["tiers"] == [] and off["hit_tokens"] == {"device": off["hit_tokens"]["device"]}
     assert off["loads"] == off["stores"] == 0 and off["leaked_blocks"] == 0
     cmp = d["comparison"]
-    assert set(cmp) == {"recompute_ratio", "ttft_p50_ratio", "throughput_ratio"}
+    assert set(cmp) == {"clock", "recompute_ratio", "ttft_p50_ratio", "throughput_ratio"}
+    assert cmp["clock"] == "simulated"
+    # Throughput on the engine's (simulated) clock, never this machine's wall time.
+    assert cmp["throughput_ratio"] == round(
+        (d["finished"] / d["served_s"]) / (off["finished"] / off["served_s"]), 4)
+    v = d["verdict"]
+    assert v["prefill_tokens_saved"] == off["computed_prompt_tokens"] - d[
+        "computed_prompt_tokens"] > 0
+    assert (v["ttft_p50_ms_with_offload"], v["ttft_p50_ms_without_offload"]) == (
+        d["ttft_p50_ms"], off["ttft_p50_ms"])
+    assert v["clock"] == "simulated" and v["requests"] == 48
     assert cmp["recompute_ratio"] == round(d["computed_prompt_tokens"]
                                            / off["computed_prompt_tokens"], 4)
     assert cmp["recompute_ratio"] < 1
@@ -219,7 +231,10 @@ def test_text_mode_tables_and_the_comparison(capsys: pytest.CaptureFixture[str])
     assert header.split() == ["offload", "on", "offload", "off"]
     finished = next(ln for ln in out.splitlines() if ln.startswith("requests finished"))
     assert finished.split() == ["requests", "finished", "8/8", "8/8"]
-    assert "ratios (on / off): recompute_ratio " in out
+    assert "ratios (on / off): clock simulated, recompute_ratio " in out
+    rows = {ln.split("  ")[0]: ln for ln in out.splitlines()}
+    assert "requests/s (simulated time)" in rows and "run s (wall, this machine)" in rows
+    assert out.strip().splitlines()[-1].startswith("verdict: offload saved ")
 
 
 def _sample(t: float, ttft: float | None, device: int, memory: int, computed: int) -> Sample:
@@ -290,3 +305,23 @@ def test_bad_flags_are_refused_before_the_run_and_validate_config_is_a_command(
     assert "on the async engine, offload off" in out
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert {"run", "replay", "validate-config"} <= set(sub.choices or ())
+
+
+def test_the_default_run_ends_with_the_verdict() -> None:
+    proc = _cli("--requests", "24")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    d = _last_json(_cli("--requests", "24", "--json"))
+    v = d["verdict"]
+    assert "no_offload" not in d  # the table's runs only with --compare-no-offload
+    saved, without = v["prefill_tokens_saved"], v["prefill_tokens_without_offload"]
+    assert last == (
+        f"verdict: offload saved {saved} of {without} prefill tokens ({saved / without:.1%}) "
+        f"on the same 24 requests; TTFT p50 {v['ttft_p50_ms_with_offload']} ms with it, "
+        f"{v['ttft_p50_ms_without_offload']} ms without "
+        f"({v['ttft_p50_ms_with_offload'] / v['ttft_p50_ms_without_offload']:.2f}x); "
+        "simulated time, model time: the config's engine timings "
+        "(engine.prefill_token_ms / decode_step_ms; loads cost nothing)")
+    skipped = _cli("--requests", "24", "--no-verdict")
+    assert skipped.stdout.strip().splitlines()[-1].startswith("verdict: not asked")
+    assert _last_json(_cli("--requests", "24", "--json", "--no-verdict"))["verdict"] is None
