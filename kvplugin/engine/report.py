@@ -338,8 +338,15 @@ NO_COST_MODEL = ("the config's engine timings (engine.prefill_token_ms / decode_
 
 def verdict(on: RunReport, off: RunReport) -> dict[str, Any]:
     """Did offload help this run? The same requests served with offload off: prefill tokens
-    saved, TTFT p50 with and without, on which clock and whose model time."""
-    without, with_ = off.computed_prompt_tokens, on.computed_prompt_tokens
+    saved, TTFT p50 with and without, on which clock and whose model time.
+
+    Prefill tokens are the work done (``prefill_work_tokens``: passes a preemption ended
+    included), not the prompt tokens computed: a preempted request finds its own first
+    pass's blocks in the device cache when it resumes, which counts them as device hits,
+    so the device hits of a run that preempts more (offload off, here 23 preemptions against
+    2) include work that was done and thrown away (docs: "Device hits with offload off")."""
+    without = int(off.extra.get("prefill_work_tokens", off.computed_prompt_tokens))
+    with_ = int(on.extra.get("prefill_work_tokens", on.computed_prompt_tokens))
     return {
         "requests": on.finished,
         "prefill_tokens_saved": without - with_,
@@ -357,6 +364,6 @@ def verdict_line(v: dict[str, Any]) -> str:
     share = f" ({saved / without:.1%})" if without else ""
     with_, no = v["ttft_p50_ms_with_offload"], v["ttft_p50_ms_without_offload"]
     ratio = f" ({with_ / no:.2f}x)" if no else ""
-    return (f"verdict: offload saved {saved} of {without} prefill tokens{share} on the same "
-            f"{v['requests']} requests; TTFT p50 {with_} ms with it, {no} ms without{ratio}; "
-            f"{v['clock']} time, model time: {v['model_time']}")
+    return (f"verdict: offload saved {saved} of {without} prefill tokens computed{share} on "
+            f"the same {v['requests']} requests; TTFT p50 {with_} ms with it, {no} ms "
+            f"without{ratio}; {v['clock']} time, model time: {v['model_time']}")

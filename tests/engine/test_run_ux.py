@@ -208,8 +208,9 @@ def test_compare_no_offload_and_plot_on_the_default_config(tmp_path: Path) -> No
     assert cmp["throughput_ratio"] == round(
         (d["finished"] / d["served_s"]) / (off["finished"] / off["served_s"]), 4)
     v = d["verdict"]
-    assert v["prefill_tokens_saved"] == off["computed_prompt_tokens"] - d[
-        "computed_prompt_tokens"] > 0
+    assert v["prefill_tokens_saved"] == off["prefill_work_tokens"] - d[
+        "prefill_work_tokens"] > 0
+    assert v["prefill_tokens_without_offload"] == off["prefill_work_tokens"]
     assert (v["ttft_p50_ms_with_offload"], v["ttft_p50_ms_without_offload"]) == (
         d["ttft_p50_ms"], off["ttft_p50_ms"])
     assert v["clock"] == "simulated" and v["requests"] == 48
@@ -316,7 +317,8 @@ def test_the_default_run_ends_with_the_verdict() -> None:
     assert "no_offload" not in d  # the table's runs only with --compare-no-offload
     saved, without = v["prefill_tokens_saved"], v["prefill_tokens_without_offload"]
     assert last == (
-        f"verdict: offload saved {saved} of {without} prefill tokens ({saved / without:.1%}) "
+        f"verdict: offload saved {saved} of {without} prefill tokens computed "
+        f"({saved / without:.1%}) "
         f"on the same 24 requests; TTFT p50 {v['ttft_p50_ms_with_offload']} ms with it, "
         f"{v['ttft_p50_ms_without_offload']} ms without "
         f"({v['ttft_p50_ms_with_offload'] / v['ttft_p50_ms_without_offload']:.2f}x); "
@@ -325,3 +327,16 @@ def test_the_default_run_ends_with_the_verdict() -> None:
     skipped = _cli("--requests", "24", "--no-verdict")
     assert skipped.stdout.strip().splitlines()[-1].startswith("verdict: not asked")
     assert _last_json(_cli("--requests", "24", "--json", "--no-verdict"))["verdict"] is None
+
+
+def test_offload_costs_no_device_hits_once_discarded_passes_are_counted() -> None:
+    """README, "Device hits with offload off": the offload-off run's extra device hits are a
+    preempted request's own first-pass blocks found again when it resumes."""
+    d = _last_json(_cli("--compare-no-offload", "--json"))
+    off = d["no_offload"]
+    assert off["preemptions"] > d["preemptions"]
+    assert off["hit_tokens"]["device"] > d["hit_tokens"]["device"]
+    again = off["discarded_tokens"] - off["recomputed_after"]["preemption"]
+    assert off["hit_tokens"]["device"] - again <= d["hit_tokens"]["device"]
+    assert d["verdict"]["prefill_tokens_saved"] == (off["prefill_work_tokens"]
+                                                    - d["prefill_work_tokens"])
