@@ -222,12 +222,19 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
         print(f"kvplugin run: --metrics-port {port}: cannot listen on 127.0.0.1:{port} "
               f"({e.strerror}); pick another port, or 0 for any free one", file=sys.stderr)
         return 2
+    found = None if off is None else verdict(on, off)
     if args.plot:
         from kvplugin.engine.plot import plot_runs
 
-        plot_runs(args.plot, on, off)
+        head = f"{source}, seed {cfg.workload.seed}, {on.finished} requests"
+        if found is not None:
+            saved = found["prefill_tokens_saved"]
+            head += (f"\noffload saved {saved} of {found['prefill_tokens_without_offload']} "
+                     f"prefill tokens; TTFT p50 {found['ttft_p50_ms_with_offload']} ms vs "
+                     f"{found['ttft_p50_ms_without_offload']} ms without ({found['clock']} "
+                     "time)")
+        plot_runs(args.plot, on, off, heading=head)
         print(f"kvplugin: wrote {args.plot}", file=sys.stderr)
-    found = None if off is None else verdict(on, off)
     if args.json:
         out = on.as_dict()
         if off is not None and args.compare_no_offload:

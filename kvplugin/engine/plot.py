@@ -19,14 +19,16 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_runs", "rolling_median", "shares"]
 
-COMPUTED = "recomputed"
+# Prompt tokens the model computed (no hit served them): not "recomputed", which the report
+# keeps for tokens a failed load or a preemption made it compute again.
+COMPUTED = "computed"
 # Fixed colours per source, so two panels (offload on / off) read alike.
 COLOURS = {"device": "tab:green", "memory": "tab:blue", "disk": "tab:orange",
            "redis": "tab:red", COMPUTED: "tab:gray"}
 
 
 def shares(timeline: Sequence[Sample], sources: Sequence[str]) -> dict[str, list[float]]:
-    """Per source (each hit source, then ``recomputed``), its cumulative share of the
+    """Per source (each hit source, then ``computed``), its cumulative share of the
     prompt tokens served so far (hits + tokens computed) at each sample: the stack sums
     to 1."""
     out: dict[str, list[float]] = {s: [] for s in (*sources, COMPUTED)}
@@ -63,7 +65,7 @@ def _share_panel(ax: Axes, rep: RunReport, title: str) -> None:
     ax.legend(loc="lower right", fontsize="small")
 
 
-def _ttft_panel(ax: Axes, runs: Sequence[tuple[str, RunReport]]) -> None:
+def _ttft_panel(ax: Axes, runs: Sequence[tuple[str, RunReport]], clock: str) -> None:
     for (label, rep), colour in zip(runs, ("tab:blue", "tab:red"), strict=False):
         points = [(s.t_s, s.ttft_s * 1000) for s in rep.timeline if s.ttft_s is not None]
         if not points:
@@ -73,27 +75,32 @@ def _ttft_panel(ax: Axes, runs: Sequence[tuple[str, RunReport]]) -> None:
         window = max(5, len(ttft) // 20)
         ax.plot(t, rolling_median(ttft, window), color=colour,
                 label=f"{label}: rolling median ({window})")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("TTFT (ms)")
+    ax.set_xlabel(f"seconds since the start ({clock})")
+    ax.set_ylabel(f"TTFT (ms, {clock})")
     ax.set_title("time to first token")
     ax.legend(loc="upper left", fontsize="small")
 
 
-def plot_runs(path: str | os.PathLike[str], on: RunReport, off: RunReport | None = None
-              ) -> None:
-    """Write the figure to ``path`` (the format from its suffix, e.g. ``.png``)."""
+def plot_runs(path: str | os.PathLike[str], on: RunReport, off: RunReport | None = None,
+              *, heading: str = "") -> None:
+    """Write the figure to ``path`` (the format from its suffix, e.g. ``.png``), titled
+    ``heading`` (the config, the seed, the verdict); the time axis names the run's clock."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [("offload on", on)] + ([("offload off", off)] if off is not None else [])
-    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 3.2 * (len(runs) + 1)),
+    clock = ("simulated time" if on.extra.get("clock", "simulated") == "simulated"
+             else "real time")
+    fig, axes = plt.subplots(len(runs) + 1, 1, figsize=(9, 3.2 * (len(runs) + 1) + 0.8),
                              sharex=True, squeeze=False)
     try:
         for ax, (label, rep) in zip(axes[:, 0], runs, strict=False):
-            _share_panel(ax, rep, f"cumulative hit share by source, {label}")
-        _ttft_panel(axes[-1, 0], runs)
+            _share_panel(ax, rep, f"where the prompt tokens came from (cumulative), {label}")
+        _ttft_panel(axes[-1, 0], runs, clock)
+        if heading:
+            fig.suptitle(heading, fontsize="small")
         fig.tight_layout()
         fig.savefig(path)
     finally:

@@ -246,7 +246,7 @@ def test_plot_helpers_and_a_single_run_plot(tmp_path: Path) -> None:
     timeline = [_sample(0.1, 0.05, 0, 0, 10), _sample(0.2, 0.01, 10, 10, 20),
                 _sample(0.3, None, 0, 0, 0)]
     assert shares(timeline, ["device", "memory"]) == {
-        "device": [0.0, 0.25, 0.0], "memory": [0.0, 0.25, 0.0], "recomputed": [1.0, 0.5, 0.0]}
+        "device": [0.0, 0.25, 0.0], "memory": [0.0, 0.25, 0.0], "computed": [1.0, 0.5, 0.0]}
     assert rolling_median([5, 1, 3, 10], 3) == [5, 3.0, 3, 3]
     with pytest.raises(ValueError, match="window"):
         rolling_median([1.0], 0)
