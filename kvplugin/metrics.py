@@ -131,7 +131,7 @@ METRICS: tuple[MetricDoc, ...] = (
          "Cached device blocks evicted over the tenant's cached-block quota."),
     _doc("kvplugin_corrupt_objects_total", "counter", "tier",
          "Objects a tier found corrupt or forged on read (counted misses, deleted)."),
-    _doc("kvplugin_refused_objects_total", "counter", "tier reason",
+    _doc("kvplugin_corrupt_objects_by_reason_total", "counter", "tier reason",
          "The same objects by reason: checksum (or MAC), metadata (another key's or "
          "namespace's), truncated, format (not a kvplugin object)."),
     _doc("kvplugin_tier_errors_total", "counter", "tier",
@@ -399,7 +399,7 @@ def _tiers(s: Snapshot) -> Iterator[Metric]:
     for label, st in zip(s.level_labels, s.tier_stats, strict=True):
         for reason in REASONS:
             _add(refused, (label, reason), getattr(st, f"corrupt_{reason}"))
-    yield _counter("kvplugin_refused_objects_total", refused)
+    yield _counter("kvplugin_corrupt_objects_by_reason_total", refused)
 
 
 def _le(bound: float) -> str:

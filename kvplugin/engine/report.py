@@ -62,7 +62,7 @@ class TenantRow:
     requests: int
     prompt_tokens: int
     hit_tokens: int
-    computed_tokens: int
+    computed_prompt_tokens: int  # as the totals' computed_prompt_tokens (prompt tokens only)
     queried_tokens: int  # of its prefix-cache queries (one per admission)
     ttft_p50_ms: float
     sources: Mapping[str, int] = field(default_factory=dict)  # its token ledger
@@ -74,7 +74,8 @@ class TenantRow:
 
     def as_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "hit_tokens": self.hit_tokens, "computed_tokens": self.computed_tokens,
+                "hit_tokens": self.hit_tokens,
+                "computed_prompt_tokens": self.computed_prompt_tokens,
                 "queried_tokens": self.queried_tokens, "hit_share": round(self.hit_share, 4),
                 "token_ledger": dict(self.sources), "ttft_p50_ms": self.ttft_p50_ms}
 
@@ -178,7 +179,7 @@ class RunReport:
                        + ")"),
             ("tier errors", ", ".join(f"{t} {n}" for t, n in x.get("tier_errors", {}).items())
              or "none"),
-            ("refused", _refused(x.get("refused_objects", {}))),
+            ("corrupt", _corrupt(x.get("corrupt_objects", {}))),
             ("KV checks", f"{x.get('pages_checked', 0)} pages, {self.kv_mismatches} mismatches, "
                           f"{self.cross_tenant_hits} cross-tenant"),
             *self._state_rows(),
@@ -225,7 +226,8 @@ class RunReport:
                  "TTFT p50 ms"]]
         for tenant, r in sorted(self.per_tenant.items()):
             rows.append([tenant, str(r.requests), str(r.prompt_tokens), str(r.hit_tokens),
-                         str(r.computed_tokens), f"{r.hit_share:.1%}", f"{r.ttft_p50_ms:.2f}"])
+                         str(r.computed_prompt_tokens), f"{r.hit_share:.1%}",
+                         f"{r.ttft_p50_ms:.2f}"])
         return render(rows)
 
 
@@ -322,14 +324,14 @@ def compare_table(on: RunReport, off: RunReport) -> str:
     return render(rows) + f"\nratios (on / off): {ratios}"
 
 
-def _refused(by_tier: dict[str, dict[str, int]]) -> str:
+def _corrupt(by_tier: dict[str, dict[str, int]]) -> str:
     """"disk 12 (checksum 10, truncated 2), redis 0": the objects each tier refused."""
     parts = []
     for tier, reasons in by_tier.items():
         n = sum(reasons.values())
         why = ", ".join(f"{r} {k}" for r, k in reasons.items() if k)
         parts.append(f"{tier} {n}" + (f" ({why})" if why else ""))
-    return (", ".join(parts) + " objects (damaged: dropped, recomputed)") if parts else "none"
+    return (", ".join(parts) + " (damaged: dropped, recomputed)") if parts else "none"
 
 
 NO_COST_MODEL = ("the config's engine timings (engine.prefill_token_ms / decode_step_ms; "

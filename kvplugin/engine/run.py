@@ -241,7 +241,7 @@ def report(dep: Deployment, served: Served, wall: float,
     out.extra.update(
         token_ledger=sources, recomputed_after=dict(books.recomputed_after),
         discarded_tokens=books.discarded_tokens, prefill_work_tokens=es.computed_prompt_tokens,
-        tier_errors=tier_errors(dep), refused_objects=refused_objects(dep),
+        tier_errors=tier_errors(dep), corrupt_objects=corrupt_objects(dep),
         tiers=dep.tier_labels, steps=es.steps, preemptions=es.preemptions,
         peak_running_tokens=es.peak_running_tokens,
         admissions=es.admissions, parked=es.parked, lookup_skips=es.lookup_skips,
@@ -292,7 +292,7 @@ def tier_errors(dep: Deployment) -> dict[str, int]:
     return out
 
 
-def refused_objects(dep: Deployment) -> dict[str, dict[str, int]]:
+def corrupt_objects(dep: Deployment) -> dict[str, dict[str, int]]:
     """Per tier, the objects it refused on load (and dropped), by reason."""
     return {label: {r: getattr(st, f"corrupt_{r}") for r in REASONS}
             for label, st in zip(dep.tier_labels, _tier_stats(dep), strict=True)}

@@ -105,10 +105,10 @@ async def test_summary_table_shows_the_reports_numbers_per_source_and_tenant() -
         share = t["hit_tokens"] / t["prompt_tokens"]
         assert t["hit_share"] == round(share, 4) and 0 <= share <= 1
         assert sum(t["token_ledger"].values()) == t["prompt_tokens"]
-        assert t["hit_tokens"] + t["computed_tokens"] == t["prompt_tokens"]
+        assert t["hit_tokens"] + t["computed_prompt_tokens"] == t["prompt_tokens"]
         assert rows[name] == [name, str(t["requests"]), str(t["prompt_tokens"]),
-                              str(t["hit_tokens"]), str(t["computed_tokens"]), f"{share:.1%}",
-                              f"{t['ttft_p50_ms']:.2f}"]
+                              str(t["hit_tokens"]), str(t["computed_prompt_tokens"]),
+                              f"{share:.1%}", f"{t['ttft_p50_ms']:.2f}"]
     assert sum(t["requests"] for t in tenants.values()) == d["finished"]
     assert sum(t["prompt_tokens"] for t in tenants.values()) == prompt
     assert sum(t["queried_tokens"] for t in tenants.values()) == d["queried_tokens"]

@@ -26,7 +26,7 @@ def test_refused_objects_are_counted_by_reason_and_warned_about_in_sum() -> None
     proc = _run("--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    refused = out["refused_objects"]
+    refused = out["corrupt_objects"]
     assert list(refused) == ["memory", "disk"]
     for reasons in refused.values():
         assert list(reasons) == ["checksum", "metadata", "truncated", "format"]
@@ -49,7 +49,7 @@ def test_refused_objects_are_counted_by_reason_and_warned_about_in_sum() -> None
 def test_the_summary_names_what_each_tier_refused() -> None:
     proc = _run()
     assert proc.returncode == 0, proc.stderr
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("refused"))
-    assert re.fullmatch(r"refused\s+: memory \d+ \(checksum \d+, truncated \d+(, format \d+)?\), "
-                        r"disk \d+ \(checksum \d+, truncated \d+(, format \d+)?\) objects "
-                        r"\(damaged: dropped, recomputed\)", line), line
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("corrupt "))
+    by_tier = r"(memory|disk) \d+ \(checksum \d+, truncated \d+(, format \d+)?\)"
+    assert re.fullmatch(rf"corrupt\s+: {by_tier}, {by_tier} \(damaged: dropped, "
+                        r"recomputed\)", line), line
