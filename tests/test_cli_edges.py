@@ -196,3 +196,17 @@ def test_a_signalled_json_run_says_so_in_its_json(tmp_path: Path) -> None:
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 143 and report["interrupted"] == "SIGTERM"
     assert 0 < report["finished"] < 100000 and report["leaked_blocks"] == 0
+
+
+def test_an_unknown_op_is_said_on_stderr(tmp_path: Path) -> None:
+    import json
+
+    proc = _kvplugin("run", "--save-trace", str(tmp_path / "a.json"), "--requests", "3")
+    trace = json.loads((tmp_path / "a.json").read_text())
+    trace["ops"].insert(1, {"op": "frobnicate"})
+    (tmp_path / "a.json").write_text(json.dumps(trace))
+    proc = _kvplugin("replay", str(tmp_path / "a.json"), "-o", str(tmp_path / "r.json"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"kvplugin replay: {tmp_path / 'a.json'}: 1 op(s) failed; the first, op 1 "
+        "(frobnicate): TraceError: unknown op 'frobnicate'"]

@@ -41,7 +41,9 @@ def _server(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
-def _wait_up(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+def wait_up(proc: subprocess.Popen[Any], base: str, log: Path) -> None:
+    """Until the server at ``base`` answers /health (RuntimeError with its log's tail if it
+    exits or takes over 300 s)."""
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -50,7 +52,7 @@ def _wait_up(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
                     return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the page's server did not start (exit {proc.poll()}): "
+                raise RuntimeError(f"vllm serve did not start (exit {proc.poll()}): "
                                    f"{log.read_text()[-3000:]}") from None
             time.sleep(1)
 
@@ -82,7 +84,7 @@ def doc_scenario(workdir: Path, make_model: Any, free_port: Any) -> dict[str, An
         proc = _server(argv, env, log)
         base = f"http://127.0.0.1:{port}"
         try:
-            _wait_up(proc, base, log)
+            wait_up(proc, base, log)
             runs.append(_complete(base, str(model), prompt))
         finally:
             proc.terminate()  # the page's --shutdown-timeout lets the last stores land

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_doc_scenario import doc_scenario
+from vllm_doc_scenario import doc_scenario, wait_up
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -282,7 +282,6 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
     two tenants (``cache_salt``), a's disk quota a quarter of its working set: after every
     completion, a's bytes held on the disk tier as /metrics reports them."""
     import subprocess
-    import urllib.request
 
     model = workdir / "model-llama-serve"
     make_model("llama", model)
@@ -301,17 +300,7 @@ def serve_scenario(workdir: Path) -> dict[str, Any]:
                             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm serve did not start "
-                                       f"(exit {proc.poll()})") from None
-                time.sleep(1)
+        wait_up(proc, base, workdir / "serve.log")
         prompt, others = _eviction_workload()
 
         def complete(tokens: list[int], salt: str | None = None) -> dict[str, Any]:
