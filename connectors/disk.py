@@ -377,9 +377,9 @@ class DiskConnector(StoreBase):
             left -= raw.nbytes
             self.inline_reads += 1
             out[i] = decode_or_error(raw, sid, codec=self.codec)
-        for i in reversed(range(len(keys))):  # tail first: a chain's head the most recent
-            if i not in rest:
-                self.policy.touched(keys[i].id)
+        for key, got in zip(reversed(keys), reversed(out), strict=True):
+            if got is not None:  # read here (the rest: on the threads, touched there)
+                self.policy.touched(key.id)  # tail first: a chain's head the most recent
         return out, rest
 
     async def _reads(

@@ -227,12 +227,8 @@ def _run_engine(cfg: RunConfig, args: argparse.Namespace, source: str) -> int:
         from kvplugin.engine.plot import plot_runs
 
         head = f"{source}, seed {cfg.workload.seed}, {on.finished} requests"
-        if found is not None:
-            saved = found["prefill_tokens_saved"]
-            head += (f"\noffload saved {saved} of {found['prefill_tokens_without_offload']} "
-                     f"prefill tokens; TTFT p50 {found['ttft_p50_ms_with_offload']} ms vs "
-                     f"{found['ttft_p50_ms_without_offload']} ms without ({found['clock']} "
-                     "time)")
+        if found is not None:  # the verdict's figures, without its model-time clause
+            head += "\n" + verdict_line(found).split(", model time")[0]
         plot_runs(args.plot, on, off, heading=head)
         print(f"kvplugin: wrote {args.plot}", file=sys.stderr)
     if args.json:

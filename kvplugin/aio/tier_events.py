@@ -104,9 +104,6 @@ class TierEventView:
     is taken back (``BlockRemoved`` from every tier it was told in), so a router believes
     too little, never too much."""
 
-    def _medium(self, tier: str) -> str:
-        return self._media.get(tier) or tier_medium(tier)
-
     def __init__(self, *, max_objects: int = 1 << 18, max_events: int = 1 << 16,
                  media: dict[str, str] | None = None) -> None:
         """``media``: tier name -> medium (:func:`tier_media`); a tier not in it is named
@@ -122,6 +119,9 @@ class TierEventView:
         self._settled: list[str] = []  # ids whose store jobs ended since the last apply
         self._out: list[KVCacheEvent] = []
         self.overflows = 0
+
+    def _medium(self, tier: str) -> str:
+        return self._media.get(tier) or tier_medium(tier)
 
     def __len__(self) -> int:
         return len(self._info)
