@@ -95,6 +95,58 @@ class PayloadPool:
         weakref.finalize(sealed, self._give_back, slab, index)
         return sealed
 
+    def fill_many(self, nbytes: int, count: int,
+                  write: Callable[[np.ndarray[Any, np.dtype[np.uint8]], int], None]
+                  ) -> list[Sealed]:
+        """``count`` slots of ``nbytes``, filled by as few ``write`` calls as the free slots
+        allow, then each sealed on its own (it returns to the pool when its last reference
+        goes, whatever becomes of the others). ``write(rows, first)`` fills payloads
+        ``first .. first + len(rows)``: ``rows`` is a writable ``(k, nbytes)`` uint8 array
+        over adjacent slots of one slab (row stride: the slot size), so one gather can fill
+        many payloads. If ``write`` raises, every slot goes back at once."""
+        if type(nbytes) is not int or nbytes <= 0 or type(count) is not int or count < 0:
+            raise ValueError(f"nbytes and count must be ints > 0 and >= 0, got {nbytes!r}, "
+                             f"{count!r}")
+        slot = -(-nbytes // _ALIGN) * _ALIGN
+        spans = self._take_many(slot, count)
+        try:
+            first = 0
+            for slab, index, k in spans:
+                start = index * slot
+                write(slab.arr[start:start + k * slot].reshape(k, slot)[:, :nbytes], first)
+                first += k
+        except BaseException:
+            for slab, index, k in spans:
+                for i in range(index, index + k):
+                    self._give_back(slab, i)
+            raise
+        out = []
+        for slab, index, k in spans:
+            for i in range(index, index + k):
+                sealed = slab.arr[i * slot:i * slot + nbytes].view(Sealed)
+                sealed.flags.writeable = False
+                weakref.finalize(sealed, self._give_back, slab, i)
+                out.append(sealed)
+        return out
+
+    def _take_many(self, slot_bytes: int, count: int) -> list[tuple[_Slab, int, int]]:
+        """``count`` free slots as runs of adjacent ones: (slab, first index, length),
+        lowest indices first, existing slabs before new ones."""
+        spans: list[tuple[_Slab, int, int]] = []
+        with self._lock:
+            slabs = iter(list(self._slabs.get(slot_bytes, ())))
+            while count > 0:
+                slab = next((b for b in slabs if b.free), None) or self._new_slab(slot_bytes)
+                free = sorted(slab.free)
+                taken, slab.free = free[:count], free[count:][::-1]  # pop() gives the lowest
+                count -= len(taken)
+                run = taken[0]
+                for a, b in zip(taken, [*taken[1:], -1], strict=True):
+                    if b != a + 1:
+                        spans.append((slab, run, a - run + 1))
+                        run = b
+        return spans
+
     def reserve(self, nbytes: int) -> None:
         """Map and fault in ``nbytes`` now (a tier's capacity, at startup), and keep that
         much even when free, so filling slots never faults memory in later."""

@@ -183,7 +183,7 @@ def load_costs_for(cfg: KVPluginConfig, tiers: Sequence[str]) -> LoadCosts | Non
 def offload_config(cfg: KVPluginConfig) -> OffloadConfig:
     off = cfg.offload
     return OffloadConfig(
-        model=cfg.model.name, chunk_blocks=off.chunk_size // cfg.layout.block_size,
+        model=cfg.model.name, chunk_blocks=cfg.chunk_tokens() // cfg.layout.block_size,
         lookup_timeout=off.lookup_timeout_ms / 1000, load_timeout=off.load_timeout_ms / 1000,
         store_timeout=off.store_timeout_ms / 1000, max_io=off.max_io,
         store_budget_bytes=int(off.store_budget_mb * (1 << 20)),

@@ -55,7 +55,7 @@ leaves out keeps the default below.
 
 RULES = {
     "offload": [
-        "`chunk_size` is a multiple of `layout.block_size`.",
+        "`chunk_size` (a number) is a multiple of `layout.block_size`.",
         "With `enabled`, at least one tier: `local_cpu`, `local_disk`, `remote_url` or "
         "`connectors`.",
         "`remote_url` is `redis://host[:port][/db]`, `rediss://...`, `unix:///path` or "
@@ -91,8 +91,8 @@ def _unwrap(ann: Any) -> tuple[Any, bool]:
     """(the annotation without None, whether None is allowed)."""
     if typing.get_origin(ann) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(ann) if a is not type(None)]
-        if len(args) < len(typing.get_args(ann)) and len(args) == 1:
-            return args[0], True
+        if len(args) < len(typing.get_args(ann)):
+            return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), True  # noqa: UP007
     return ann, False
 
 
@@ -113,7 +113,13 @@ def _model(ann: Any) -> tuple[type[BaseModel], str] | None:
 def _type(ann: Any) -> str:
     ann, nullable = _unwrap(ann)
     origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is typing.Literal:
+    if origin is typing.Annotated:  # a union's member with bounds of its own
+        bounds = ", ".join(f"{sym} {getattr(f, attr)}" for m in ann.__metadata__
+                           for f in m.metadata for cls, attr, sym in BOUNDS if isinstance(f, cls))
+        out = f"{_type(args[0])} {bounds}".rstrip()
+    elif origin in (typing.Union, types.UnionType):
+        out = " or ".join(_type(a) for a in args)
+    elif origin is typing.Literal:
         out = " or ".join(f"`{a}`" for a in args)
     elif origin is tuple:
         out = ("list of " + _type(args[0])) if args[-1] is Ellipsis else \

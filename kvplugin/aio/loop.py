@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -44,14 +45,22 @@ class LoopThread:
     ``call`` it and block for the result. Everything async (the manager, its jobs, the
     connectors) lives on that one loop, so it still needs no locks."""
 
-    def __init__(self, *, use_uvloop: bool = True, name: str = "kvplugin-loop") -> None:
+    def __init__(self, *, use_uvloop: bool = True, name: str = "kvplugin-loop",
+                 cpus: set[int] | None = None) -> None:
         self.loop = new_event_loop(use_uvloop)
+        self._cpus = cpus
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
 
     def _main(self) -> None:
+        if self._cpus:
+            # This thread's CPUs, and those of every thread it starts (the executors' I/O
+            # threads start from here): see kvplugin.integrations._runtime.io_cpus. CPUs
+            # this process may not use leave the thread where it was.
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._cpus)
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._ready.set)
         try:

@@ -129,6 +129,11 @@ class OffloadLedger:
         return s
 
     @property
+    def loaded_states(self) -> int:
+        """Mamba states restored so far (what :attr:`stats` says, without the snapshot)."""
+        return self._stats.loaded_states
+
+    @property
     def tracked(self) -> bool:
         return self._budget is not None
 

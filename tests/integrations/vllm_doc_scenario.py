@@ -74,7 +74,7 @@ def doc_scenario(workdir: Path, make_model: Any, free_port: Any) -> dict[str, An
     make_model("llama", model)
     disk = workdir / "doc-disk"
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVPLUGIN_OFFLOAD__LOCAL_DISK": str(disk)}
-    prompt = [(7 * i + 3) % 500 + 1 for i in range(160)]  # five chunks of 32 tokens
+    prompt = [(7 * i + 3) % 500 + 1 for i in range(160)]  # one 128-token chunk (auto)
     runs = []
     for n in (1, 2):
         port = free_port()

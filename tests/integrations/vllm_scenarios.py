@@ -247,7 +247,13 @@ def pages_scenario() -> dict[str, Any]:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from kvplugin.buffers import Sealed
-    from kvplugin.integrations._groups import group_ios, map_groups, pages_in, pages_out
+    from kvplugin.integrations._groups import (
+        group_ios,
+        map_groups,
+        pages_in,
+        pages_out,
+        pages_out_many,
+    )
 
     torch.manual_seed(0)
     src_ids, dst_ids = [3, 7, 5], [1, 2, 4]
@@ -274,7 +280,12 @@ def pages_scenario() -> dict[str, Any]:
                 other = list(KVCacheLayout)[(list(KVCacheLayout).index(lay) + 1) % 6]
                 _, back = _allocate(groups, other.name, 12)
                 pages_in(map_groups(ios, back)[0], dst_ids, payload)
+                # A step's objects in one call: each equals its own copy-out.
+                objects = [[3, 7], [5, 1], [9, 2], [0, 11]]
+                many = pages_out_many(m[0], objects)
                 rec[lay.name + ("/split" if kernel else "")] = {
+                    "many_equal": [bytes(memoryview(p)) for p in many]
+                    == [bytes(memoryview(pages_out(m[0], ids))) for ids in objects],
                     "runs": len(m[0].runs), "sealed": isinstance(payload, Sealed),
                     "out_equal": bytes(memoryview(payload)) == want.contiguous().view(
                         torch.uint8).numpy().tobytes(),
@@ -299,7 +310,10 @@ def pages_scenario() -> dict[str, Any]:
         payload = pages_out(m[1], src_ids)
         _, back = _allocate(groups, "BLHNC" if lay != "BLHNC" else "BLNHC", 12)
         pages_in(map_groups(ios, back)[1], dst_ids, payload)
+        many = pages_out_many(m[1], [[b] for b in src_ids])
         states[lay] = {
+            "many_equal": [bytes(memoryview(p)) for p in many]
+            == [bytes(memoryview(pages_out(m[1], [b]))) for b in src_ids],
             "sealed": isinstance(payload, Sealed), "nbytes": memoryview(payload).nbytes,
             "in_equal": all(torch.equal(back[n][d, 0, 0, :40_000], kv[n][s, 0, 0, :40_000])
                             for n in ("m0", "m1")
