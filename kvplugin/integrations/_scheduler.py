@@ -485,14 +485,19 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ finish
     def request_finished(self, request: Any) -> bool:
-        """Whether vLLM keeps the blocks while the request's stores run. Never while its
-        async load is in flight: vLLM frees those itself when the load reports, and would
-        free twice."""
-        self._reconcile_for.discard(request.request_id)
-        st = self._reqs.pop(request.request_id, None)
+        """Whether vLLM keeps the blocks until the workers have copied the request's last
+        pieces out: only when a store of it waits for the next step (a partial tail
+        registered at finish); every earlier store was copied at its step's
+        ``wait_for_save``, and the tiers write from the copies. Never while its async load
+        is in flight: vLLM frees those itself when the load reports, and would free
+        twice."""
+        rid = request.request_id
+        self._reconcile_for.discard(rid)
+        st = self._reqs.pop(rid, None)
         if st is not None and st.offload is not None:
             self._ledger.close(st.offload)
-        if st is None or not st.plans or st.phase is Phase.LOADING:
+        if (st is None or st.phase is Phase.LOADING
+                or not any(spec.req_id == rid for spec in self._plan.saves)):
             return False
         self._plan.delayed_frees.append(request.request_id)
         return True

@@ -302,32 +302,31 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ results
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """(finished_sending, finished_recving): delayed frees whose stores are done, async
-        loads that completed (copied into the tensors here, errors recorded)."""
-        sending = set()
-        for rid in list(self._w.awaiting_send):
-            puts = self._w.saves.get(rid, [])
-            if all(p.future.done() for p in puts):
-                self._settle(rid, puts)
-                self._w.saves.pop(rid, None)
-                self._w.awaiting_send.discard(rid)
-                sending.add(rid)
+        """(finished_sending, finished_recving): delayed frees, async loads that completed
+        (copied into the tensors here, errors recorded).
+
+        A delayed free is sent at once: its pages were copied out at this step's
+        ``wait_for_save`` at the latest (a finished request's last pieces, a partial tail,
+        are in the step that carries its free), and the tiers write from those copies, so
+        vLLM may reuse the blocks now. Holding them until the writes end (a disk's, a
+        remote's) kept finished requests' blocks from waiting ones for steps."""
+        sending = set(self._w.awaiting_send)
+        self._w.awaiting_send.clear()
         recving = set()
         for rid, pending in list(self._w.loads.items()):
             if pending.future.done():
                 del self._w.loads[rid]
                 self._finish_load(pending.spec, pending.future)
                 recving.add(rid)
-        # Saves of requests that finished without a delayed free (or still run).
+        # Stores whose writes ended, whatever became of their requests.
         for rid in list(self._w.saves):
-            if rid not in self._w.awaiting_send:
-                done = [p for p in self._w.saves[rid] if p.future.done()]
-                self._settle(rid, done)
-                left = [p for p in self._w.saves[rid] if not p.future.done()]
-                if left:
-                    self._w.saves[rid] = left
-                else:
-                    del self._w.saves[rid]
+            done = [p for p in self._w.saves[rid] if p.future.done()]
+            self._settle(rid, done)
+            left = [p for p in self._w.saves[rid] if not p.future.done()]
+            if left:
+                self._w.saves[rid] = left
+            else:
+                del self._w.saves[rid]
         return sending or None, recving or None
 
     def get_transfer_results(self) -> Any:

@@ -28,8 +28,9 @@ device hit; a claim from it restores the lagging Mamba state at its end (docs/vl
 Scheduler side: a prefix lookup asked of the worker that owns the tiers (:mod:`._lookup`:
 vLLM runs the roles in separate processes), bounded by ``offload.lookup_timeout_ms`` (a
 slow or dead tier is a miss, never a stall); loads and stores planned per step into the
-metadata; a finished request that had stores keeps its blocks (``delay_free``) until the
-worker reports its stores done. Worker side: the tiers, on an event loop on its own thread;
+metadata; a finished request's blocks are freed at once (its stores were copied out at
+their steps; a partial tail registered at finish holds them one step, ``delay_free``, until
+it is copied). Worker side: the tiers, on an event loop on its own thread;
 pages move between vLLM's tensors and kvplugin's layout-free page format in one gather /
 scatter per group. A load that misses or fails verification is a miss vLLM recomputes
 (the connector sets ``kv_load_failure_policy`` to "recompute"): with one full-attention

@@ -168,6 +168,9 @@ def test_multiturn_with_a_pool_smaller_than_the_working_set(results: dict[str, A
     # equals the KV the earlier turn computed.
     assert sum(ld["blocks"] for ld in loads) > 0
     assert all(ld["req"][-2:] in ("t1", "t2") for ld in loads)
+    # Every request stored chunks, and none kept its blocks at finish: each store was
+    # copied out at its step, and the tiers write from the copies.
+    assert rec["saved_chunks"] > 0 and rec["kept_blocks"] == []
     for ld in loads:
         assert ld["verified"] == ld["blocks"] and ld["mismatched"] == 0 == ld["invalid"]
 
@@ -269,9 +272,10 @@ def test_mamba_partial_tail_is_stored_and_resumed_from(results: dict[str, Any]) 
     rec = results["mamba_tail"]
     # t was aborted at 96 tokens (inside its 64..128 Mamba block): vLLM handed over the
     # running state block at 96 as a partial tail; the connector took it and kept the
-    # blocks until its store was done (all blocks free afterwards).
+    # blocks until it was copied out (all blocks free afterwards).
     assert rec["tail_calls"] == [{"req": "t", "boundaries": [96], "kept": True}]
     first = rec["first"]
+    assert first["kept_blocks"] == ["t"]
     assert first["finished"] == ["t"] and first["free_blocks"] == first["num_blocks"] - 1
     assert first["saved_pieces"] == {"0": 6, "1": 2}  # 6 chunks; states at 64 and 96
     # A fresh engine: u resumes at 96 from the tier: 6 chunks and the tail state.

@@ -50,6 +50,7 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
     for w in workload:
         arrivals.setdefault(w["arrival"], []).append(w)
     finished: list[str] = []
+    kept = _spy_delayed_frees(scheduler.get_kv_connector())
     last_arrival = max(arrivals)
     bp = scheduler.kv_cache_manager.block_pool
     step = 0
@@ -63,8 +64,9 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
                                           block_hasher=runner.hasher,
                                           cache_salt=w.get("salt")))
         if step > last_arrival and not scheduler.has_requests() and not runner.pending \
-                and bp.get_num_free_blocks() == bp.num_gpu_blocks - 1:
-            break
+                and bp.get_num_free_blocks() == bp.num_gpu_blocks - 1 \
+                and not _open_plans(scheduler):
+            break  # idle steps carry the last stores' outcomes to the ledger
         so = scheduler.schedule()
         if not so.total_num_scheduled_tokens:
             time.sleep(0.005)  # an idle engine polls its transfers; stores take real time
@@ -90,7 +92,32 @@ def drive(scheduler: Any, runner: Runner, workload: list[dict[str, Any]],
                               for g in sorted(runner.saved_pieces)},
             "states_checked": runner.states_checked,
             "state_mismatches": runner.state_mismatches, "computed": dict(runner.computed),
-            "worker_stats": dict(runner.worker_stats), **books(scheduler)}
+            "worker_stats": dict(runner.worker_stats), "kept_blocks": sorted(kept),
+            **books(scheduler)}
+
+
+def _open_plans(scheduler: Any) -> int:
+    conn = scheduler.get_kv_connector()
+    return 0 if conn is None else len(conn.scheduler_side._plans)
+
+
+def _spy_delayed_frees(conn: Any) -> set[str]:
+    """The requests whose blocks the connector kept at finish (``delay_free``)."""
+    kept: set[str] = set()
+    if conn is None:  # vLLM alone
+        return kept
+
+    def spying(orig: Any) -> Any:
+        def spy(request: Any, block_ids: Any) -> Any:
+            delay, params = orig(request, block_ids)
+            if delay:
+                kept.add(request.request_id)
+            return delay, params
+        return spy
+
+    for name in ("request_finished", "request_finished_all_groups"):
+        setattr(conn, name, spying(getattr(conn, name)))
+    return kept
 
 
 def books(scheduler: Any) -> dict[str, Any]:
