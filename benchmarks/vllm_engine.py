@@ -204,6 +204,11 @@ def engine_main(model: str, spec: dict[str, Any]) -> int:
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        if cmd.get("ping"):
+            llm.generate([{"prompt_token_ids": [7] * 16}], SamplingParams(max_tokens=1),
+                         use_tqdm=False)
+            print(MARK + json.dumps({"pong": True}), flush=True)
+            continue
         prompts = workload(cmd["rep"], cmd["variant"])[cmd["round"]]
         vllm_hooks.reset()
         steps.clear()
@@ -264,16 +269,25 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
-    def round(self, rep: int, variant: str, name: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """The engine resumed, and woken by an untimed one-token request (a stopped
+        engine's polling threads come back at their own pace), then stopped again."""
         self._signal(signal.SIGCONT)
         try:
-            self.proc.stdin.write(json.dumps({"rep": rep, "variant": variant, "round": name})
-                                  + "\n")
-            self.proc.stdin.flush()
-            return self._answer()
+            self._ask({"ping": True})
+            yield
         finally:
             self._signal(signal.SIGSTOP)
+
+    def _ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def round(self, rep: int, variant: str, name: str) -> dict[str, Any]:
+        return self._ask({"rep": rep, "variant": variant, "round": name})
 
     def close(self) -> None:
         self._signal(signal.SIGCONT)
@@ -347,10 +361,11 @@ def run(engines: dict[str, Engine], reps: int, unique: set[str]
                     continue
                 spec_variant = ("repeat" if base_variant == "reuse" and n == "ExampleConnector"
                                 else base_variant)
-                for rnd in ROUNDS:
-                    r = engines[n].round(rep, spec_variant, rnd)
-                    r.update(rep=rep, variant=base_variant, round=rnd)
-                    rec[n].append(r)
+                with engines[n].running():
+                    for rnd in ROUNDS:
+                        r = engines[n].round(rep, spec_variant, rnd)
+                        r.update(rep=rep, variant=base_variant, round=rnd)
+                        rec[n].append(r)
         print(f"repetition {rep + 1}/{reps} done", file=sys.stderr, flush=True)
     return rec
 
@@ -451,6 +466,8 @@ def main(argv: list[str]) -> int:
                     help="with --quick, every configuration runs the unique workload too "
                          "(by default only vLLM alone and memory + disk)")
     ap.add_argument("--save", help="write every round's record (JSON) to this file")
+    ap.add_argument("--only", default="", help="comma-separated configurations to run "
+                    "(vLLM alone always runs: the ratios' baseline)")
     ap.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.engine:
@@ -469,6 +486,9 @@ def main(argv: list[str]) -> int:
         sizes = [int(s) for s in a.chunk_sizes.split(",") if s]
         with redis_server(workdir, not a.no_redis) as url:
             specs = configurations(workdir, url, sizes, chunk)
+            if a.only:
+                keep = {"vllm alone", *a.only.split(",")}
+                specs = {n: sp for n, sp in specs.items() if n in keep}
             engines = start_engines(py, model, specs, workdir)
             try:
                 every = set(specs) if a.all_unique or not a.quick else {"vllm alone",
