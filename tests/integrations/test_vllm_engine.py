@@ -170,6 +170,11 @@ def test_the_vllm_pages_command_and_config_serve_a_second_server(
     assert first["cached"] == 0 and rec["objects_on_disk"] == 1
     assert second["cached"] == 128 and second["tokens"] == first["tokens"]
     assert first["exit"] == second["exit"] == 0
+    # The chunk size auto chose, logged at start in vLLM's log, in vLLM's format.
+    for run in (first, second):
+        assert run["chunk_lines"] and set(run["chunk_lines"]) == {
+            "KVPluginConnector: stored objects of 128 tokens, 4 of vLLM's 32-token blocks "
+            "(auto: at least 128 tokens)"}
 
 
 def test_redis_tier_serves_a_fresh_engine(results: dict[str, Any]) -> None:
