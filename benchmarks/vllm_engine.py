@@ -2,7 +2,7 @@
 alone and vLLM's own ExampleConnector: round times, TTFT, hit tokens, and the time each
 connector hook holds the engine's thread, as a share of the engine's steps.
 
-    python3 benchmarks/vllm_engine.py --quick      # 3 alternated repetitions, ~6 min
+    python3 benchmarks/vllm_engine.py --quick      # 3 alternated repetitions, ~5 min
     python3 benchmarks/vllm_engine.py              # 5 repetitions, every workload everywhere
     python3 benchmarks/vllm_engine.py --chunk-sizes 32,256   # memory + disk at other sizes
 

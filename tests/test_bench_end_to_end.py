@@ -4,28 +4,15 @@ the sustainable QPS read off a sweep, and the JSON's contract keys."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "end_to_end.py"
+from bench_testlib import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def e2e() -> Any:
-    spec = importlib.util.spec_from_file_location("kvplugin_bench_end_to_end", PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path[:] = saved  # the script drops its own directory from sys.path
-    return mod
+    return load_benchmark("end_to_end")  # the script drops its own directory from sys.path
 
 
 def test_sustainable_qps_is_interpolated_between_the_points_around_the_slo(e2e: Any) -> None:

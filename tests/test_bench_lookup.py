@@ -5,19 +5,12 @@ here."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "lookup.py"
+from bench_testlib import load_benchmark
 
 
 def test_the_lookup_benchmark_claims_every_chunk_and_reports_its_figures() -> None:
-    spec = importlib.util.spec_from_file_location("kvplugin_bench_lookup", PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("lookup")
     # bench() raises when a lookup claims less than the whole prompt or the tier lost a chunk.
     out = asyncio.run(mod.bench(mod.Settings(rounds=2, requests=3, chunks=4, chunk_blocks=2)))
     assert set(out) == {"lookup_us", "bare_lookup_us", "lookup_overhead_ratio", "key_us",

@@ -4,25 +4,16 @@ records. The engines themselves run only in the benchmark; nothing is timed here
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_engine.py"
+from bench_testlib import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("kvplugin_bench_vllm_engine", PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("vllm_engine")
 
 
 def test_the_workloads_are_the_issues(bench: Any) -> None:

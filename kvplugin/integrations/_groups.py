@@ -297,10 +297,9 @@ def pages_out_many(m: PageMap, objects: Sequence[Sequence[int]]) -> list[bytes |
     index = _index(m, [b for ids in objects for b in ids])
     nbytes = per * m.group.shape.page_bytes
     if nbytes < MIN_POOLED_BYTES:
-        buf = np.empty(len(objects) * nbytes, dtype=np.uint8)
+        buf = np.empty((len(objects), nbytes), dtype=np.uint8)
         _gather(m, index, buf, len(objects) * per)
-        data = buf.tobytes()
-        return [data[i:i + nbytes] for i in range(0, len(data), nbytes)]
+        return [row.tobytes() for row in buf]
 
     def write(rows: np.ndarray[Any, Any], first: int) -> None:
         k = rows.shape[0]

@@ -126,7 +126,6 @@ class _Req:
     tenant: str  # "" when the request gets no offload (invalid or undeclared tenant)
     offload: OffloadRequest | None  # the ledger's state of it (None: no offload)
     phase: Phase = Phase.LOOKED_UP
-    plans: int = 0  # store plans prepared for it (a finished one keeps its blocks)
     local_tokens: int = 0  # the device's hit at the last lookup
     async_hit: bool = False  # the last external hit was reported as an async load
     state_at: int | None = None  # the boundary of the claimed states
@@ -417,7 +416,6 @@ class SchedulerSide:
         pid = self._next_plan
         self._next_plan += 1
         self._plans[pid] = plan
-        st.plans += 1
         pieces = [Piece(o.key, o.group, list(o.block_ids),
                         o.index if o.state else o.index * lay.chunk_tokens(o.group),
                         state=o.state,
