@@ -85,20 +85,22 @@ def _bump(counts: dict[str, int], key: str, n: int) -> None:
 class OffloadLedger:
     """Offers, plans and their outcomes, the budget, tier quotas and counters."""
 
-    def __init__(self, layout: plans.Layout, keyspace: KeySpace, *,
+    def __init__(self, layout: plans.Layout, keyspace: KeySpace | None, *,
                  page_bytes: Sequence[int], tiers: Sequence[str],
                  store_budget_bytes: int | None, store_prompt_only: bool = False,
                  quotas: TierQuotas = NO_QUOTAS, reporting: Iterable[str] = (),
                  stats: OffloadStats | None = None) -> None:
         self.layout = layout
-        self.keyspace = keyspace
+        # None: the executor names every object itself (vLLM's secondary tier is handed
+        # keys, not requests) and uses the keyed verbs only.
+        self._keyspace = keyspace
         self._stats = stats if stats is not None else OffloadStats()
         self._page_bytes = tuple(page_bytes)
         self._tiers = tuple(tiers)
         self._budget = store_budget_bytes
         self._prompt_only = store_prompt_only
         self._quotas = quotas
-        self._hbs = keyspace.hash_block_size
+        self._hbs = keyspace.hash_block_size if keyspace is not None else 1
         self._chunk_tokens = tuple(layout.chunk_tokens(g) if layout.chunked(g) else 0
                                    for g in range(layout.num_groups))
         self._storing: set[str] = set()  # key ids of objects being stored (tracked)
@@ -109,6 +111,13 @@ class OffloadLedger:
         # Held tier bytes: only with a tier quota somewhere.
         self.holdings: TierHoldings | None = TierHoldings() if quotas.any() else None
         self._reporting = frozenset(reporting)
+
+    @property
+    def keyspace(self) -> KeySpace:
+        if self._keyspace is None:
+            raise PlanError("this ledger has no key space: its executor names the objects "
+                            "(prepare_keyed_store, book_keyed_load)")
+        return self._keyspace
 
     @property
     def stats(self) -> OffloadStats:
@@ -328,6 +337,28 @@ class OffloadLedger:
                 self.holdings.expect(rq.tenant, [(o.key.id, o.nbytes) for o in plan.objects])
         return plan
 
+    def storing(self, key_id: str) -> bool:
+        """Whether an object is being stored by an open tracked plan."""
+        return key_id in self._storing
+
+    def prepare_keyed_store(self, rq: OffloadRequest, objects: Sequence[StoreObject]
+                            ) -> StorePlan | None:
+        """A store of objects the engine named itself, as one plan (vLLM's secondary tier
+        is handed a job of keys, not a request): the tenant's tier quota, then
+        deduplication and the byte budget, exactly as :meth:`prepare_store` applies them.
+        No cursor, hole or state selection: the engine chose what to offer. None: nothing
+        to store (over the quota, or every object stored already or shed)."""
+        c = self.tenant(rq.tenant)
+        nbytes = sum(o.nbytes for o in objects)
+        if nbytes and self._over_tier_quota(rq.tenant, c, nbytes):
+            self._shed_quota(rq, c, list(objects), 0)
+            return None
+        take = self._select(rq, c, list(objects))
+        if not take:
+            return None
+        return self._register(rq, c, StorePlan(rq, tuple(take), self._chunk_tokens,
+                                               self.tracked))
+
     def complete_store(self, plan: StorePlan, result: StoreResult) -> None:
         """A plan's store ended: done (``tier_counts`` per tier, the objects present there
         after the write) or not (failed, cancelled: later states of the request would miss
@@ -455,6 +486,23 @@ class OffloadLedger:
         if failed:
             c.loads_failed += 1
             s.recomputed_tokens += plan.end - result.verified
+
+    def book_keyed_load(self, tenant: str, *, copied: Sequence[tuple[str, int, bool]],
+                        failed: bool) -> None:
+        """A load of objects the engine named itself ended (vLLM's secondary tier): per
+        object copied in, (tier, bytes, whether it is a state); ``failed`` when some object
+        was missing or refused (the engine recomputes it)."""
+        s, c = self._stats, self.tenant(tenant)
+        c.loads += 1
+        for tier, nbytes, state in copied:
+            if state:
+                s.loaded_states += 1
+            else:
+                s.loaded_chunks += 1
+            _bump(s.loaded_bytes_by_tier, tier, nbytes)
+            c.loaded_bytes += nbytes
+        if failed:
+            c.loads_failed += 1
 
     def _check_live(self, rq: OffloadRequest) -> None:
         if rq.closed:

@@ -25,11 +25,12 @@ def side_python(variable: str, venv: str, setup: str) -> str:
     return py
 
 
-def run_scenarios(py: str, script: Path, names: list[str],
-                  timeout: float = 240) -> dict[str, dict[str, Any]]:
+def run_scenarios(py: str, script: Path, names: list[str], timeout: float = 240,
+                  env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Run ``script``'s scenarios under the side python (this checkout on PYTHONPATH,
-    vLLM's hash seed fixed): each prints one JSON record; every name must answer."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
+    vLLM's hash seed fixed, ``env`` on top): each prints one JSON record; every name must
+    answer."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
     proc = subprocess.run([py, str(script), *names], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
