@@ -320,9 +320,14 @@ class WorkerSide:
                 recving.add(rid)
         # Stores whose writes ended, whatever became of their requests.
         for rid in list(self._w.saves):
-            done = [p for p in self._w.saves[rid] if p.future.done()]
+            puts = self._w.saves[rid]
+            done = [p for p in puts if p.future.done()]
             self._settle(rid, done)
-            left = [p for p in self._w.saves[rid] if not p.future.done()]
+            # The rest by what was settled, not by asking again: a put that ends between
+            # the two looks would be in neither list, its plan never reported (the budget
+            # bytes it holds on the scheduler never freed).
+            settled = {id(p) for p in done}
+            left = [p for p in puts if id(p) not in settled]
             if left:
                 self._w.saves[rid] = left
             else:

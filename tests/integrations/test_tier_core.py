@@ -150,3 +150,32 @@ def test_the_tier_module_imports_without_vllm_and_building_it_names_the_extra() 
 
     with pytest.raises(ImportError, match="vllm"):
         KVPluginSecondaryTier(None, memoryview(b""), "t", config_file="x.yaml")
+
+
+def test_a_store_over_the_budget_fails_its_job_and_a_quota_shed_does_not(
+        tmp_path: Path, primary: np.ndarray[Any, Any]) -> None:
+    """Over offload.store_budget_mb the tier is falling behind: the job fails (vLLM's
+    backpressure detector counts it). Over a tenant's quota it is a decision: the job
+    succeeds with no bytes. Both are counted by reason."""
+    path = _config(tmp_path, local_cpu=True, max_local_cpu_size=0.01,
+                   store_budget_mb=1.5 * ROW / 2**20)
+    body = json.loads(Path(path).read_text())
+    body["tenants"] = {"declared": {"q": {"max_tier_bytes": {"memory": ROW}}, "r": {}}}
+    Path(path).write_text(json.dumps(body))
+    core = TierCore(path, LAYOUT, primary)
+    try:
+        core.submit_store(1, "r1", {"tenant": "r"}, [okey(0), okey(1)], [0, 1], [16, 32])
+        (over_budget,) = _wait(core, 1)
+        assert (over_budget.success, over_budget.nbytes) == (False, ROW)  # one of two fit
+        core.submit_store(2, "q1", {"tenant": "q"}, [okey(5)], [2], [16])
+        (first,) = _wait(core, 1)
+        core.submit_store(3, "q1", {"tenant": "q"}, [okey(6)], [3], [32])
+        (quota,) = _wait(core, 1)
+        assert (first.success, first.nbytes) == (True, ROW)
+        assert (quota.success, quota.nbytes) == (True, 0)
+        counters, gauges = core.figures()
+        assert counters[("stores_shed", ("r", "budget"))] == 1
+        assert counters[("stores_shed", ("q", "quota"))] == 1
+        assert gauges == {("held_bytes", ("q", "memory")): ROW}
+    finally:
+        core.close()

@@ -7,6 +7,8 @@ own tiers (a CPU tensor as the primary buffer, jobs submitted and polled). Scena
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,8 @@ from typing import Any
 import pytest
 from redis_fixture import start_local_redis
 from side_venv import run_scenarios, side_python
+
+from kvplugin.connectors.cluster_testing import LocalRedisCluster
 
 SCENARIOS = Path(__file__).with_name("vllm_tier_scenarios.py")
 NAMES = ["roundtrip", "damaged", "dead_redis", "slow_tier", "tenants",
@@ -139,24 +143,47 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server.kill()
 
 
-@pytest.mark.parametrize("kind", ["disk", "redis"])
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local Redis Cluster of three masters (kvplugin.connectors.cluster_testing)."""
+    cluster = LocalRedisCluster(str(tmp_path_factory.mktemp("tier-cluster")), replicas=0)
+    if not LocalRedisCluster.available():
+        _unavailable("redis-server / redis-cli are not available")
+    try:
+        cluster.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        _unavailable(f"a local Redis Cluster did not start: {exc}")
+    yield cluster.url
+    cluster.kill_all()
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
+        pytest.fail(f"{message} and KVPLUGIN_REQUIRE_REDIS=1")
+    pytest.skip(message)
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis", "cluster"])
 def test_a_fresh_process_gets_hits_through_vllms_manager(kind: str, tmp_path: Path,
                                                          request: pytest.FixtureRequest
                                                          ) -> None:
     """One process's vLLM manager stores three chunks (vLLM cascades them to the tier);
     a fresh process's manager, its primary empty, finds them (RETRY, then HIT_PENDING while
-    vLLM promotes them, then HIT) and they are the bytes the first one wrote."""
+    vLLM promotes them, then HIT) and they are the bytes the first one wrote. Disk, a
+    redis-server and a Redis Cluster the test starts."""
     env = {"KVPLUGIN_TIER_WORKDIR": str(tmp_path)}
-    if kind == "redis":
-        env["KVPLUGIN_TIER_REDIS"] = request.getfixturevalue("redis_url")
+    if kind != "disk":
+        env["KVPLUGIN_TIER_REDIS"] = request.getfixturevalue(
+            "redis_url" if kind == "redis" else "cluster_url")
     py = _py()
     store = run_scenarios(py, SCENARIOS, [f"store_fresh@{kind}"], env=env)
     load = run_scenarios(py, SCENARIOS, [f"load_fresh@{kind}"], env=env)
-    assert store[f"store_fresh@{kind}"]["stats"] == {"stored_bytes": {f"default|{kind}":
+    tier = "disk" if kind == "disk" else "redis"  # a cluster is kvplugin's redis tier too
+    assert store[f"store_fresh@{kind}"]["stats"] == {"stored_bytes": {f"default|{tier}":
                                                                        3 * ROW}}
     rec = load[f"load_fresh@{kind}"]
     assert rec["lookups"][0] == ["RETRY"] * 4
     assert rec["lookups"][-1] == ["HIT", "HIT", "HIT", "MISS"]
     assert rec["exact"] is True
     assert rec["stats"]["loaded_bytes"] == {"default": 3 * ROW}
-    assert rec["stats"]["hit_tokens"] == {f"default|{kind}": 48}
+    assert rec["stats"]["hit_tokens"] == {f"default|{tier}": 48}

@@ -6,7 +6,7 @@ promotes its hits. The primary buffer is a CPU tensor's memoryview, as vLLM's ow
 use. Run under the vLLM side virtualenv: ``python vllm_tier_scenarios.py NAME...``; each
 scenario prints one JSON record. ``KVPLUGIN_TIER_WORKDIR`` is where a scenario pair that
 spans two processes (``store_fresh`` / ``load_fresh``) keeps its tiers;
-``KVPLUGIN_TIER_REDIS`` a Redis URL (a server the test started).
+``KVPLUGIN_TIER_REDIS`` a Redis or Redis Cluster URL (a server the test started).
 """
 
 from __future__ import annotations
