@@ -290,10 +290,10 @@ class TierCore:
                 self._done.append(JobOutcome(job_id, not over_budget))
                 return
             self._plans[job_id] = plan
-            slot_of = {o.key.id: int(s) for o, s in zip(objects, slots, strict=True)}
-            work = [(o, slot_of[o.key.id]) for o in plan.objects]
+            at = {o.key.id: i for i, o in enumerate(objects)}
+            work = [(o, int(slots[at[o.key.id]])) for o in plan.objects]
             for o in plan.objects:
-                self._remember(o.key.id, okeys[objects.index(o)])
+                self._remember(o.key.id, okeys[at[o.key.id]])
         self._start(job_id, self._store(job_id, work, over_budget))
 
     def _store_object(self, tenant: str, okey: bytes, end: int | None) -> StoreObject:
