@@ -31,48 +31,28 @@ import concurrent.futures
 import functools
 import hashlib
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from kvplugin.aio import plans
-from kvplugin.aio.offload_ledger import OffloadLedger, OffloadRequest, StoreObject, StoreResult
-from kvplugin.aio.offload_types import StorePlan, TierQuotas
+from kvplugin.aio.offload_ledger import StoreObject
+from kvplugin.aio.offload_types import StorePlan
 from kvplugin.buffers import default_pool
-from kvplugin.config import KVPluginConfig
-from kvplugin.connectors.events import TierEvent
-from kvplugin.connectors.keys import InvalidName, Namespace, ObjectKey, layout_fingerprint
-from kvplugin.integrations import _runtime
-from kvplugin.integrations._scheduler import tenant_of_salt
-from kvplugin.plugin import offload_config
+from kvplugin.connectors.keys import ObjectKey, layout_fingerprint
+from kvplugin.integrations._keyed import KeyedTiers
 from kvplugin.serde import Block
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["ChunkLayout", "JobOutcome", "TierCore", "tenant_of_params"]
+__all__ = ["ChunkLayout", "JobOutcome", "TierCore"]
 
 logger = logging.getLogger(__name__)
 
 OBJECT_KIND = "vllm_primary_chunk"  # the layout fingerprint's kind
 _KEEP_IDS = 1 << 20  # storage ids remembered for KV events (oldest forgotten first)
-
-
-def tenant_of_params(params: dict[str, Any] | None, default: str) -> str:
-    """A request's tenant, from what vLLM hands a secondary tier (``kv_transfer_params``;
-    the request's ``cache_salt`` never reaches a tier): ``tenant``, else ``cache_salt``
-    (read as the KV connector reads a salt, :func:`~._scheduler.tenant_of_salt`), else the
-    tier's default tenant. The salt also enters vLLM's block hash, so two salts never share
-    a key whatever they name."""
-    if isinstance(params, dict):
-        if params.get("tenant"):
-            return str(params["tenant"])
-        if params.get("cache_salt"):
-            return tenant_of_salt(str(params["cache_salt"]))
-    return default
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,99 +100,28 @@ class JobOutcome:
     stored: tuple[int, ...] = ()  # a store: per tier, how many of its objects it holds
 
 
-@dataclass(slots=True)
-class _Req:
-    tenant: str  # "" when the tenant is refused (undeclared, invalid name): no offload
-    rq: OffloadRequest | None
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """Storage ids this process knows the vLLM key of, and which tiers hold them."""
-
-    okeys: collections.OrderedDict[str, bytes] = field(
-        default_factory=collections.OrderedDict)
-    held: dict[str, set[str]] = field(default_factory=dict)
-
-
-class TierCore:
-    """kvplugin's tiers behind one vLLM secondary tier: keys, the ledger, and jobs."""
+class TierCore(KeyedTiers):
+    """kvplugin's tiers behind one vLLM secondary tier: primary rows in, jobs out."""
 
     def __init__(self, config_file: str, layout: ChunkLayout, primary: Any, *,
                  default_tenant: str = "default", events: bool = False) -> None:
-        config, _ = _runtime.settings(config_file)
-        refuse_for_tier(config)
-        self.config, self.layout = config, layout
-        self._rows = _rows_of(primary, layout.chunk_bytes)
-        self._default = default_tenant
-        self._policy = config.tenants.policy()
-        self.rt = _runtime.acquire(config_file)
-        try:
-            self.tiers = tuple(level.name for level in self.rt.connector.levels)
-            quotas = TierQuotas.of_policy(self._policy)
-            self.ledger = OffloadLedger(
-                plans.Layout(layout.group_tokens, layout.blocks_per_chunk), None,
-                page_bytes=[layout.chunk_bytes] * len(layout.group_tokens), tiers=self.tiers,
-                store_budget_bytes=offload_config(config).store_budget_bytes,
-                quotas=quotas, reporting=config.offload.tier_kinds())
-            self._events = events
-            self._token = (self.rt.subscribe_events() if events or quotas.any() else None)
-        except BaseException:
-            _runtime.release(self.rt)
-            raise
-        self._lock = threading.Lock()  # the ledger and the books: scheduler + lookup thread
-        self._reqs: dict[str, _Req] = {}
-        self._ns: dict[tuple[str, int], Namespace] = {}
+        rows = _rows_of(primary, layout.chunk_bytes)
+        super().__init__(config_file,
+                         fingerprints=[layout.fingerprint(g)
+                                       for g in range(len(layout.group_tokens))],
+                         group_tokens=layout.group_tokens,
+                         blocks_per_chunk=layout.blocks_per_chunk,
+                         object_bytes=layout.chunk_bytes, default_tenant=default_tenant,
+                         events=events, who="kvplugin's vLLM secondary tier")
+        self.layout = layout
+        self._rows = rows
         self._jobs: dict[int, concurrent.futures.Future[JobOutcome]] = {}
         self._plans: dict[int, StorePlan] = {}
         self._done: collections.deque[JobOutcome] = collections.deque()
-        self._tracked = _Tracked()
-        self._pending_events: list[TierEvent] = []
-        self.refused_objects = 0  # loads that met a damaged, foreign or misshapen object
-        self.closed = False
-
-    # ------------------------------------------------------------------ requests
-    def open_request(self, req_id: str, params: dict[str, Any] | None) -> str:
-        """A request first seen: its tenant (``""``: refused, no offload for it)."""
-        with self._lock:
-            return self._req(req_id, params).tenant
-
-    def _req(self, req_id: str, params: dict[str, Any] | None) -> _Req:
-        st = self._reqs.get(req_id)
-        if st is not None:
-            return st
-        tenant = tenant_of_params(params, self._default)
-        try:
-            self._namespace(tenant, 0)
-            self._policy.quota(tenant)  # an undeclared tenant: ValueError
-            rq: OffloadRequest | None = self.ledger.open(req_id, tenant, tenant, 0)
-        except (ValueError, InvalidName) as e:
-            logger.warning("kvplugin tier: request %s gets no offload: %s", req_id, e)
-            tenant, rq = "", None
-        st = self._reqs[req_id] = _Req(tenant, rq)
-        return st
-
-    def close_request(self, req_id: str) -> None:
-        with self._lock:
-            st = self._reqs.pop(req_id, None)
-            if st is not None and st.rq is not None:
-                self.ledger.close(st.rq)
-
-    def _namespace(self, tenant: str, group: int) -> Namespace:
-        ns = self._ns.get((tenant, group))
-        if ns is None:
-            ns = Namespace(tenant, self.config.model.name, self.layout.fingerprint(group),
-                           group)
-            self._ns[(tenant, group)] = ns
-        return ns
 
     def object_key(self, tenant: str, okey: bytes) -> ObjectKey:
         """The kvplugin key of vLLM's ``OffloadKey`` (block hash + 4-byte group index)."""
-        group = int.from_bytes(okey[-4:], "big")
-        if group >= len(self.layout.group_tokens):
-            raise ValueError(f"offload key of group {group}: vLLM's config has "
-                             f"{len(self.layout.group_tokens)} groups")
-        return self._namespace(tenant, group).key(bytes(okey[:-4]))
+        return self.key(tenant, _group(okey), bytes(okey[:-4]))
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, req_id: str, params: dict[str, Any] | None,
@@ -220,8 +129,7 @@ class TierCore:
         """Which of a request's keys (with their end tokens, when vLLM recorded them) the
         tiers hold, within the lookup deadline (blocking: vLLM's lookup thread calls it;
         a slow or dead tier answers misses). Hits are booked to the tenant per tier."""
-        with self._lock:
-            tenant = self._req(req_id, params).tenant
+        tenant = self.open_request(req_id, params)
         if not tenant or not items:
             return [False] * len(items)
         timeout = self.rt.timeouts.lookup
@@ -234,11 +142,8 @@ class TierCore:
             if level is not None:
                 name = self.tiers[level]
                 hits[name] = hits.get(name, 0) + self.layout.chunk_tokens(_group(okey))
-        with self._lock:
-            self.ledger.book_query(
-                tenant, queried_tokens=sum(self.layout.chunk_tokens(_group(k))
-                                           for k, _ in items),
-                local=0, external=sum(hits.values()), by_tier=hits)
+        self.book_query(tenant, sum(self.layout.chunk_tokens(_group(k)) for k, _ in items),
+                        hits)
         return [level is not None for level in found]
 
     async def _lookup(self, tenant: str, items: Sequence[tuple[bytes, int | None]],
@@ -271,29 +176,19 @@ class TierCore:
         if len(okeys) != len(slots) or len(okeys) != len(ends):
             raise ValueError(f"store job {job_id}: {len(okeys)} keys, {len(slots)} slots, "
                              f"{len(ends)} positions")
-        with self._lock:
-            st = self._req(req_id, params)
-            if st.rq is None:  # refused tenant: stored nowhere, not the tier's failure
-                self._done.append(JobOutcome(job_id, True))
-                return
-            if self.ledger.needs_tier_events(st.tenant):
-                self._absorb_events()
-            objects = [self._store_object(st.tenant, k, e) for k, e in zip(okeys, ends,
-                                                                          strict=True)]
-            c = self.ledger.tenant(st.tenant)
-            shed_before = c.stores_shed - c.stores_shed_quota
-            plan = self.ledger.prepare_keyed_store(st.rq, objects)
-            over_budget = (c.stores_shed - c.stores_shed_quota) > shed_before
-            if plan is None:
-                # Quota sheds and duplicates are decisions, not the tier falling behind;
-                # a budget shed is (vLLM's backpressure detector counts the failure).
-                self._done.append(JobOutcome(job_id, not over_budget))
-                return
-            self._plans[job_id] = plan
-            at = {o.key.id: i for i, o in enumerate(objects)}
-            work = [(o, int(slots[at[o.key.id]])) for o in plan.objects]
-            for o in plan.objects:
-                self._remember(o.key.id, okeys[at[o.key.id]])
+        tenant = self.open_request(req_id, params)
+        objects = [self._store_object(tenant, k, e) for k, e in zip(okeys, ends, strict=True)
+                   ] if tenant else []
+        d = self.decide_store(req_id, params, objects, okeys)
+        if d.plan is None:
+            # A refused tenant, a quota shed, duplicates: decisions, not the tier falling
+            # behind; a budget shed is (vLLM's backpressure detector counts the failure).
+            self._done.append(JobOutcome(job_id, not d.over_budget))
+            return
+        self._plans[job_id] = d.plan
+        at = {o.key.id: i for i, o in enumerate(objects)}
+        work = [(o, int(slots[at[o.key.id]])) for o in d.plan.objects]
+        over_budget = d.over_budget
         self._start(job_id, self._store(job_id, work, over_budget))
 
     def _store_object(self, tenant: str, okey: bytes, end: int | None) -> StoreObject:
@@ -330,8 +225,7 @@ class TierCore:
                     okeys: Sequence[bytes], slots: Sequence[int]) -> None:
         if len(okeys) != len(slots):
             raise ValueError(f"load job {job_id}: {len(okeys)} keys, {len(slots)} slots")
-        with self._lock:
-            tenant = self._req(req_id, params).tenant
+        tenant = self.open_request(req_id, params)
         if not tenant:
             self._done.append(JobOutcome(job_id, False, failed=tuple(okeys)))
             return
@@ -354,8 +248,7 @@ class TierCore:
             np.copyto(self._rows[slot], np.frombuffer(memoryview(block.payload), np.uint8))
             loaded.append(okey)
             copied.append((self.tiers[level], self.layout.chunk_bytes, False))
-        with self._lock:
-            self.ledger.book_keyed_load(tenant, copied=copied, failed=bool(failed))
+        self.book_load(tenant, copied, bool(failed))
         return JobOutcome(job_id, not failed, tuple(loaded), tuple(failed),
                           len(loaded) * self.layout.chunk_bytes, clock() - t0)
 
@@ -392,13 +285,9 @@ class TierCore:
             o = self._done.popleft()
             self._jobs.pop(o.job_id, None)
             out.append(o)
-        with self._lock:
-            if any(j in self._plans for j in (o.job_id for o in out)):
-                self._absorb_events()
-            for o in out:
-                plan = self._plans.pop(o.job_id, None)
-                if plan is not None:
-                    self.ledger.complete_store(plan, StoreResult(o.nbytes > 0, o.stored))
+        ended = [(plan, o.nbytes > 0, o.stored) for o in out
+                 if (plan := self._plans.pop(o.job_id, None)) is not None]
+        self.complete(ended)
         return out
 
     def pending(self) -> bool:
@@ -410,87 +299,12 @@ class TierCore:
         _, not_done = concurrent.futures.wait(futs, timeout)
         return not not_done
 
-    # ------------------------------------------------------------------ events
-    def _remember(self, sid: str, okey: bytes) -> None:
-        known = self._tracked.okeys
-        known[sid] = okey
-        known.move_to_end(sid)
-        while len(known) > _KEEP_IDS:
-            known.popitem(last=False)
-
-    def _absorb_events(self) -> None:
-        """The tiers' events so far: held bytes (quotas), and queued for :meth:`events`."""
-        if self._token is None:
-            return
-        new = self.rt.take_events(self._token)
-        if new:
-            self.ledger.apply_tier_events(new)
-            if self._events:
-                self._pending_events.extend(new)
-
-    def events(self) -> list[tuple[str, bool, list[bytes]]]:
-        """The tiers' stored / removed objects this process knows the vLLM key of, as
-        (tier, removed, keys); a tier's ``cleared`` removes every key it was known to hold.
-        """
-        with self._lock:
-            self._absorb_events()
-            new, self._pending_events = self._pending_events, []
-        out: list[tuple[str, bool, list[bytes]]] = []
-        t = self._tracked
-        for ev in new:
-            held = t.held.setdefault(ev.tier, set())
-            if ev.kind == "cleared":
-                ids = list(held)
-                held.clear()
-            else:
-                ids = [i for i in ev.ids if i in t.okeys]
-                (held.update if ev.kind == "stored" else held.difference_update)(ids)
-            keys = [t.okeys[i] for i in ids if i in t.okeys]
-            removed = ev.kind != "stored"
-            if keys and out and out[-1][:2] == (ev.tier, removed):
-                out[-1][2].extend(keys)  # one event per run of a tier's stores / removals
-            elif keys:
-                out.append((ev.tier, removed, keys))
-        return out
-
-    # ------------------------------------------------------------------ figures
-    def figures(self) -> tuple[dict[tuple[str, tuple[str, ...]], int],
-                               dict[tuple[str, tuple[str, ...]], int]]:
-        """Cumulative counters and current gauges, by (name, label values): per tenant
-        (and tier) from the ledger, per tier from the tiers' own stats."""
-        counters: dict[tuple[str, tuple[str, ...]], int] = {}
-        gauges: dict[tuple[str, tuple[str, ...]], int] = {}
-        with self._lock:
-            for tenant, c in self.ledger.tenants().items():
-                for tier, n in c.stored_bytes_by_tier.items():
-                    counters[("stored_bytes", (tenant, tier))] = n
-                for tier, n in c.hit_tokens.items():
-                    if tier != "device":
-                        counters[("hit_tokens", (tenant, tier))] = n
-                counters[("queried_tokens", (tenant,))] = c.queried_tokens
-                counters[("loaded_bytes", (tenant,))] = c.loaded_bytes
-                counters[("loads_failed", (tenant,))] = c.loads_failed
-                counters[("stores_shed", (tenant, "quota"))] = c.stores_shed_quota
-                counters[("stores_shed", (tenant, "budget"))] = (c.stores_shed
-                                                                 - c.stores_shed_quota)
-                counters[("stores_deduplicated", (tenant,))] = c.stores_deduplicated
-            if self.ledger.holdings is not None:
-                for (tenant, tier), n in self.ledger.holdings.by_tenant_tier().items():
-                    gauges[("held_bytes", (tenant, tier))] = n
-        for level in self.rt.connector.levels:
-            st = level.stats()
-            counters[("tier_errors", (level.name,))] = st.errors + st.timeouts
-            counters[("refused_objects", (level.name,))] = st.corrupt_detected
-        counters[("refused_objects", ("layout",))] = self.refused_objects
-        return counters, gauges
-
     def close(self) -> None:
         if self.closed:
             return
-        self.closed = True
         if not self.drain(self.rt.timeouts.store + self.rt.timeouts.load):
             logger.warning("kvplugin tier: shut down with jobs still running")
-        _runtime.release(self.rt)
+        self.release()
         # No view of vLLM's primary buffer may outlive the tier: vLLM releases its
         # memoryview (and unmaps the region) after shutting its tiers down.
         self._rows = np.empty((0, self.layout.chunk_bytes), np.uint8)
@@ -521,11 +335,3 @@ def _rows_of(primary: Any, chunk_bytes: int) -> np.ndarray[Any, np.dtype[np.uint
     if rows.shape[1] != chunk_bytes:
         raise ValueError(f"a primary row holds {rows.shape[1]} bytes, not {chunk_bytes}")
     return rows
-
-
-def refuse_for_tier(config: KVPluginConfig) -> None:
-    """What a secondary tier cannot enforce fails its construction with one line (the KV
-    connector's own rules, :func:`kvplugin.integrations.vllm.refuse_unenforceable`)."""
-    from kvplugin.integrations.vllm import refuse_unenforceable
-
-    refuse_unenforceable(config, who="kvplugin's vLLM secondary tier")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvplugin.connectors.keys import Namespace
-from kvplugin.integrations._tier import ChunkLayout, JobOutcome, TierCore, tenant_of_params
+from kvplugin.integrations._keyed import tenant_of_params
+from kvplugin.integrations._tier import ChunkLayout, JobOutcome, TierCore
 
 ROW = 4096
 LAYOUT = ChunkLayout(model="test/model", dtype="float16", chunk_bytes=ROW, blocks_per_chunk=1,
