@@ -29,6 +29,73 @@ if ! "$PY" -c "$CHECK" >/dev/null 2>&1; then
   "${PIP[@]}" -c "$CONSTRAINTS" orjson psutil pybase64 requests packaging pillow starlette \
     msgspec pydantic pyzmq tqdm ipython aiohttp "transformers==5.19.0" dill \
     "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf triton >&2
+  # torchvision: only SGLang's multimodal configs import it (never a storage backend), and
+  # no torchvision release imports beside torch 2.13.0+cpu, so a stub stands in: importing
+  # it works, using anything from it raises.
+  SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  rm -rf "$SITE/torchvision"
+  mkdir -p "$SITE/torchvision"
+  cat > "$SITE/torchvision/__init__.py" <<'PYEOF'
+"""A stub (kvplugin's SGLang side venv): every torchvision.* module imports, anything
+used from one raises. Only SGLang's multimodal configs and transformers' image utilities
+import torchvision, never a storage backend."""
+import enum
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0.0+kvplugin.stub"
+
+
+class InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+class ImageReadMode(enum.Enum):
+    UNCHANGED = 0
+    RGB = 3
+
+
+class _Unavailable:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("torchvision is a stub in kvplugin's SGLang side venv")
+
+
+def _attr(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return {"InterpolationMode": InterpolationMode,
+            "ImageReadMode": ImageReadMode}.get(name, _Unavailable)
+
+
+__getattr__ = _attr
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = types.ModuleType(spec.name)
+        mod.__path__ = []
+        mod.__getattr__ = _attr
+        return mod
+
+    def exec_module(self, module):
+        return None
+
+
+sys.meta_path.append(_Finder())
+PYEOF
   # kvplugin's runtime dependencies (pyproject's list).
   "${PIP[@]}" -c "$CONSTRAINTS" "pyarrow>=15" "xxhash>=3.4" "blake3>=1.0" "redis>=5.0" \
     "aiofiles>=23.2" cbor2 pyyaml prometheus-client >&2

@@ -349,7 +349,8 @@ def _scheduler_side(vllm_config: Any, kv_cache_config: Any, config: KVPluginConf
         num_workers=max(1, int(getattr(vllm_config.parallel_config, "world_size", 1))))
 
 
-def refuse_unenforceable(config: KVPluginConfig, who: str = "KVPluginConnector") -> None:
+def refuse_unenforceable(config: KVPluginConfig, who: str = "KVPluginConnector",
+                         engine: str = "vLLM") -> None:
     """A deployment key vLLM's API does not let a KV connector enforce fails the engine's
     start with one line naming it, never silently ignored: device block quotas belong to
     vLLM's scheduler; prefix groups share device blocks across tenants' salts, which vLLM
@@ -361,16 +362,16 @@ def refuse_unenforceable(config: KVPluginConfig, who: str = "KVPluginConnector")
         for k in ("max_blocks_in_use", "max_cached_blocks"):
             if getattr(q, k) is not None:
                 raise ValueError(f"{who}: {where}.{k}: device block quotas belong "
-                                 "to vLLM's scheduler, which a KV connector cannot limit; "
-                                 "remove it for vLLM (tier byte quotas apply)")
+                                 f"to {engine}'s scheduler, which {who} cannot limit; "
+                                 f"remove it for {engine} (tier byte quotas apply)")
         if q.max_tier_bytes and config.offload.connectors:
             raise ValueError(f"{who}: {where}.max_tier_bytes: tier byte quotas "
                              "apply to the built-in tiers only (memory, disk, redis), not "
                              "with offload.connectors")
     if t.prefix_groups:
-        raise ValueError(f"{who}: tenants.prefix_groups: vLLM hashes each "
+        raise ValueError(f"{who}: tenants.prefix_groups: {engine} hashes each "
                          "request's blocks with its cache_salt, so tenants cannot share "
-                         "prefix blocks through a KV connector; remove it for vLLM")
+                         f"prefix blocks through {who}; remove it for {engine}")
 
 
 def _load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any],
