@@ -20,11 +20,12 @@ never share a page hash anyway.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -38,11 +39,23 @@ from kvplugin.serde import DTYPE_SIZES, Block
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["HiCacheCore", "PageIdentity", "StorageFigures"]
+__all__ = ["KV", "HiCacheCore", "PageIdentity", "PoolQuery", "PoolShape", "StorageFigures",
+           "pool_hits"]
 
 logger = logging.getLogger(__name__)
 
-POOLS = ("kv",)  # the pools served: kvplugin group index = position
+KV = "kv"  # SGLang's KV pool (PoolName.KV): kvplugin group 0; side pools follow in order
+
+
+@dataclass(frozen=True, slots=True)
+class PoolShape:
+    """A host pool's pages, as SGLang registered the pool ("" / 0 before: legacy calls
+    carry their own sizes, checked on every read)."""
+
+    dtype: str = ""
+    host_layout: str = ""
+    page_size: int = 0
+    page_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,20 +69,56 @@ class PageIdentity:
     dcp: tuple[int, int] = (0, 1)
     mla: bool = False
     page_first: bool = False
-    # The host pool's, once SGLang registers it ("" before: legacy calls carry their own).
-    dtype: str = ""
-    host_layout: str = ""
-    page_size: int = 0
-    page_bytes: int = 0
 
-    def fingerprint(self, pool: str) -> str:
-        # MLA pages are the same bytes on every TP rank (SGLang's file backend shares them).
-        tp = (0, 1) if self.mla else self.tp
+    def fingerprint(self, pool: str, shape: PoolShape) -> str:
+        # MLA KV pages are the same bytes on every TP rank (SGLang's file backend shares
+        # them); a side pool's state (Mamba) is sharded by TP whatever the attention.
+        tp = (0, 1) if self.mla and pool == KV else self.tp
         return layout_fingerprint(
             kind="sglang_page", pool=pool, model=self.model, tp=tp, pp=self.pp,
             attn_cp=self.attn_cp, dcp=self.dcp, mla=self.mla, page_first=self.page_first,
-            dtype=self.dtype, host_layout=self.host_layout, page_size=self.page_size,
-            page_bytes=self.page_bytes)
+            dtype=shape.dtype, host_layout=shape.host_layout, page_size=shape.page_size,
+            page_bytes=shape.page_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolQuery:
+    """A side pool in an existence check (SGLang's ``PoolTransfer``): its name, hit policy
+    (``all_pages`` / ``trailing_pages``), the window a trailing pool needs, and per KV page
+    whether the pool holds that page's entry."""
+
+    name: str
+    policy: str
+    trailing: int
+    present: tuple[bool, ...]
+
+
+def pool_hits(kv_pages: int, pools: Sequence[PoolQuery]
+              ) -> tuple[int, dict[str, int], list[int]]:
+    """SGLang's ``batch_exists_v2`` verdict from what the tiers hold: the usable prefix
+    (pages), each pool's hit pages, and every restorable prefix length. ``all_pages``: the
+    pool must hold every page up to the prefix; ``trailing_pages``: only the last
+    ``trailing`` before it (a Mamba state at the node boundary), so prefix 5 may be
+    restorable while 4 is not."""
+    hit: dict[str, int] = {KV: kv_pages} if kv_pages else {}
+    restorable = list(range(1, kv_pages + 1))
+    for q in pools:
+        if not restorable:
+            break
+        if q.policy == "all_pages":
+            boundary = next((i for i in range(kv_pages) if not q.present[i]), kv_pages)
+            ok = set(range(1, boundary + 1))
+        elif q.policy == "trailing_pages":
+            window = max(1, q.trailing)
+            ok = {n for n in range(1, kv_pages + 1)
+                  if all(q.present[i] for i in range(max(0, n - window), n))}
+            boundary = max(ok, default=0)
+        else:
+            raise ValueError(f"pool {q.name}: hit policy {q.policy!r} is not served")
+        if boundary:
+            hit[q.name] = boundary
+        restorable = [n for n in restorable if n in ok]
+    return (restorable[-1] if restorable else 0), hit, restorable
 
 
 @dataclass(slots=True)
@@ -88,31 +137,45 @@ class HiCacheCore(KeyedTiers):
 
     def __init__(self, config_file: str, identity: PageIdentity, *,
                  default_tenant: str = "default", events: bool = False) -> None:
-        super().__init__(config_file, fingerprints=[identity.fingerprint(p) for p in POOLS],
-                         group_tokens=[max(1, identity.page_size)] * len(POOLS),
-                         blocks_per_chunk=1, object_bytes=max(1, identity.page_bytes),
+        # The ledger sees every page as one object of one group (its sizes come with each
+        # store); the pools are namespaces of their own.
+        super().__init__(config_file, fingerprints=[identity.fingerprint(KV, PoolShape())],
+                         group_tokens=[1], blocks_per_chunk=1, object_bytes=1,
                          default_tenant=default_tenant, events=events,
                          who="kvplugin's SGLang HiCache backend", engine="SGLang")
         self.identity = identity
+        self.pools: dict[str, PoolShape] = {KV: PoolShape()}  # in group order
         self._figures = StorageFigures()
 
-    def set_pool(self, *, dtype: str, host_layout: str, page_size: int,
-                 page_bytes: int) -> None:
-        """SGLang registered its host pool: its pages' dtype, layout and size enter every
-        key from now on."""
-        self.identity = replace(self.identity, dtype=dtype, host_layout=host_layout,
-                                page_size=page_size, page_bytes=page_bytes)
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per KV page (1 until SGLang registers its host pool)."""
+        return max(1, self.pools[KV].page_size)
+
+    def set_pool(self, name: str, shape: PoolShape) -> None:
+        """SGLang registered a host pool: its pages' dtype, layout and size enter its keys
+        from now on (a new side pool gets the next group)."""
         with self._lock:
-            self.fingerprints = tuple(self.identity.fingerprint(p) for p in POOLS)
+            self.pools[name] = shape
+            self.fingerprints = tuple(self.identity.fingerprint(n, s)
+                                      for n, s in self.pools.items())
             self._ns.clear()
+
+    def group_of(self, pool: str) -> int:
+        try:
+            return list(self.pools).index(pool)
+        except ValueError:
+            raise ValueError(f"pool {pool!r} is not registered (register_mem_host_pool_v2)"
+                             ) from None
 
     def tenant(self, extra: dict[str, Any] | None) -> str:
         """The call's tenant (``""``: refused, every call a miss)."""
         name = tenant_of_params(extra, self._default)
         return self.open_request(f"tenant:{name}", {"tenant": name})
 
-    def keys(self, tenant: str, hashes: Sequence[str], pool: int = 0) -> list[ObjectKey]:
-        return [self.key(tenant, pool, _raw(h)) for h in hashes]
+    def keys(self, tenant: str, hashes: Sequence[str], pool: str = KV) -> list[ObjectKey]:
+        group = self.group_of(pool)
+        return [self.key(tenant, group, _raw(h)) for h in hashes]
 
     def _call(self, coro: Any, timeout: float, default: Any) -> Any:
         """Run on the tiers' loop; past the deadline (and a second of grace for the loop
@@ -124,30 +187,47 @@ class HiCacheCore(KeyedTiers):
             return default
 
     # ------------------------------------------------------------------ reads
-    def exists_prefix(self, tenant: str, hashes: Sequence[str]) -> int:
+    def exists_prefix(self, tenant: str, hashes: Sequence[str], pool: str = KV) -> int:
         """How many pages are present from the first, within the lookup deadline."""
         if not tenant or not hashes:
             return 0
         timeout = self.rt.timeouts.lookup
-        keys = self.keys(tenant, hashes)
+        keys = self.keys(tenant, hashes, pool)
         levels: list[int] = self._call(self.rt.connector.lookup_levels(keys, timeout=timeout),
                                        timeout, [])
         hits: dict[str, int] = {}
         for level in levels:
             name = self.tiers[level]
-            hits[name] = hits.get(name, 0) + max(1, self.identity.page_size)
-        self.book_query(tenant, len(hashes) * max(1, self.identity.page_size), hits)
+            hits[name] = hits.get(name, 0) + self.page_tokens
+        if pool == KV:
+            self.book_query(tenant, len(hashes) * self.page_tokens, hits)
         return len(levels)
 
+    def present(self, tenant: str, hashes: Sequence[str], pool: str) -> list[bool]:
+        """Per page, whether ``pool`` holds its entry (side pools' hit policies look at
+        windows, not prefixes), all asked at once within the lookup deadline."""
+        if not tenant or not hashes:
+            return [False] * len(hashes)
+        timeout = self.rt.timeouts.lookup
+        keys = self.keys(tenant, hashes, pool)
+        conn = self.rt.connector
+
+        async def each() -> list[bool]:
+            got = await asyncio.gather(*(conn.lookup([k], timeout=timeout) for k in keys))
+            return [n == 1 for n in got]
+
+        found: list[bool] = self._call(each(), timeout, [False] * len(keys))
+        return found
+
     def get_pages(self, tenant: str, hashes: Sequence[str], nbytes: Sequence[int],
-                  dtype: str) -> list[memoryview | None]:
+                  dtype: str, pool: str = KV) -> list[memoryview | None]:
         """Each page's verified bytes, or None: missing, damaged, of another size or dtype,
         or not read within the load deadline."""
         if not tenant:
             return [None] * len(hashes)
         t0 = time.perf_counter()
         timeout = self.rt.timeouts.load
-        keys = self.keys(tenant, hashes)
+        keys = self.keys(tenant, hashes, pool)
         got: tuple[list[Block | None], list[int]] = self._call(
             self.rt.connector.get_located(keys, timeout=timeout), timeout,
             ([None] * len(keys), [-1] * len(keys)))
@@ -174,7 +254,8 @@ class HiCacheCore(KeyedTiers):
 
     # ------------------------------------------------------------------ writes
     def put_pages(self, tenant: str, hashes: Sequence[str],
-                  pages: Sequence[np.ndarray[Any, Any]], dtype: str) -> list[bool]:
+                  pages: Sequence[np.ndarray[Any, Any]], dtype: str, pool: str = KV
+                  ) -> list[bool]:
         """Store each page (a copy is taken before returning: SGLang reuses its host
         buffers); per page whether the tiers hold it now. The ledger decides first: over
         the tenant's tier byte quota or the store budget a page is not written (False);
@@ -182,7 +263,7 @@ class HiCacheCore(KeyedTiers):
         if not tenant or not hashes:
             return [False] * len(hashes)
         t0 = time.perf_counter()
-        keys = self.keys(tenant, hashes)
+        keys = self.keys(tenant, hashes, pool)
         objects = [StoreObject(0, i, k, (), int(p.nbytes))
                    for i, (k, p) in enumerate(zip(keys, pages, strict=True))]
         d = self.decide_store(f"tenant:{tenant}", {"tenant": tenant}, objects, list(hashes))
@@ -191,14 +272,14 @@ class HiCacheCore(KeyedTiers):
             o.key.id)}
         ok = {o.key.id: False for o in objects}
         if d.plan is not None:
-            pool = default_pool()
+            payloads = default_pool()
             items = []
             for o in d.plan.objects:
                 page = np.ascontiguousarray(pages[o.index]).reshape(-1).view(np.uint8)
                 stored = _stored_dtype(dtype)
-                meta = o.key.meta(token_start=0, token_end=max(1, self.identity.page_size),
+                meta = o.key.meta(token_start=0, token_end=self.page_tokens,
                                   dtype=stored, shape=(page.nbytes // DTYPE_SIZES[stored],))
-                items.append((o.key, Block(meta, cast("Buffer", pool.fill(
+                items.append((o.key, Block(meta, cast("Buffer", payloads.fill(
                     page.nbytes, _copier(page))))))
             timeout = self.rt.timeouts.store
             counts = self._call(self._put(items, timeout), timeout, None)

@@ -15,8 +15,9 @@ their deadlines and store budget; ``tenants`` their tier byte quotas), ``default
 addressed in its registered host pool).
 
 Served: the legacy interface (``get``, ``batch_get``, ``set``, ``batch_set``, ``exists``,
-``batch_exists``), v1, ``clear``, ``get_stats``, ``close``. Hybrid pools (v2: Mamba states,
-SWA) are not served yet: SGLang falls back to its KV-only path. What each call decides and
+``batch_exists``), v1, the hybrid v2 (``batch_exists_v2`` with SGLang's ``all_pages`` and
+``trailing_pages`` hit policies, ``batch_get_v2`` / ``batch_set_v2`` per registered pool:
+Mamba states, SWA, ...), ``clear``, ``get_stats``, ``close``. What each call decides and
 how long it may take is :mod:`._hicache`'s. torch and SGLang are imported lazily: this
 module imports without them; building the backend raises an ImportError naming SGLang.
 """
@@ -30,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from kvplugin.integrations._hicache import HiCacheCore, PageIdentity
+from kvplugin.integrations._hicache import (
+    KV,
+    HiCacheCore,
+    PageIdentity,
+    PoolQuery,
+    PoolShape,
+    pool_hits,
+)
 
 __all__ = ["KVPluginHiCacheStorage"]
 
@@ -74,6 +82,14 @@ def identity_of(config: Any) -> PageIdentity:
         page_first=bool(g("is_page_first_layout", False)))
 
 
+def _shape(pool: Any) -> PoolShape:
+    """A host pool's pages (SGLang's ``HostKVCache``)."""
+    page = pool.get_dummy_flat_data_page()
+    return PoolShape(dtype=_dtype(pool.dtype), host_layout=str(getattr(pool, "layout", "")),
+                     page_size=int(pool.page_size),
+                     page_bytes=int(page.numel() * page.element_size()))
+
+
 def _dtype(tensor_or_dtype: Any) -> str:
     dtype = getattr(tensor_or_dtype, "dtype", tensor_or_dtype)
     return str(dtype).removeprefix("torch.")
@@ -102,11 +118,12 @@ class KVPluginHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        page = mem_pool_host.get_dummy_flat_data_page()
-        self._core.set_pool(dtype=_dtype(mem_pool_host.dtype),
-                            host_layout=str(mem_pool_host.layout),
-                            page_size=int(mem_pool_host.page_size),
-                            page_bytes=int(page.numel() * page.element_size()))
+        self._core.set_pool(KV, _shape(mem_pool_host))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A pool of SGLang's host pool group (KV, Mamba, SWA, ...), for the v2 calls."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._core.set_pool(str(host_pool_name), _shape(host_pool))
 
     def _tenant(self, extra_info: Any) -> str:
         return self._core.tenant(getattr(extra_info, "extra_info", None))
@@ -177,6 +194,70 @@ class KVPluginHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise RuntimeError("kvplugin's HiCache backend: v1 calls need the host pool "
                                "SGLang registers (register_mem_pool_host)")
         return self.mem_pool_host
+
+    # ------------------------------------------------------------------ v2 (pools)
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
+                        extra_info: Any = None) -> Any:
+        """The usable prefix where every side pool's hit policy holds (SGLang's
+        ``PoolTransferResult``): the KV pages present from the first, then per pool its
+        entries of those pages (``all_pages``: each up to the prefix; ``trailing_pages``:
+        the last ``len(transfer.keys)`` before it)."""
+        tenant = self._tenant(extra_info)
+        kv_pages = self._core.exists_prefix(tenant, keys)
+        queries = []
+        for t in pool_transfers or []:
+            name = str(t.name)
+            present = (self._core.present(tenant, keys[:kv_pages], name)
+                       if kv_pages and name in self._core.pools else [False] * kv_pages)
+            queries.append(PoolQuery(name, str(getattr(t.hit_policy, "value", t.hit_policy)),
+                                     len(t.keys or ()) or 1, tuple(present)))
+        final, hits, restorable = pool_hits(kv_pages, queries)
+        return _hs.PoolTransferResult(final, hits, restorable)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None
+                     ) -> dict[str, list[bool]]:
+        """Each transfer's pages read into its registered host pool (per page: done)."""
+        return self._v2(transfers, extra_info, self._get_into)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None
+                     ) -> dict[str, list[bool]]:
+        return self._v2(transfers, extra_info, self._set_from)
+
+    def _v2(self, transfers: list[Any], extra_info: Any, op: Any) -> dict[str, list[bool]]:
+        tenant = self._tenant(extra_info)
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, keys = str(t.name), list(t.keys or [])
+            pool = getattr(self, "registered_pools", {}).get(t.name)
+            if pool is None and name == KV:
+                pool = self.mem_pool_host
+            step = int(getattr(pool, "page_size", 1) or 1)
+            idx = t.host_indices
+            if pool is None or idx is None or int(idx.numel()) != len(keys) * step:
+                out[name] = [False] * len(keys)  # SGLang's file backend answers the same
+                continue
+            slots = [int(idx[i * step]) for i in range(len(keys))]
+            out[name] = op(tenant, name, pool, keys, slots)
+        return out
+
+    def _get_into(self, tenant: str, name: str, pool: Any, keys: list[str],
+                  slots: list[int]) -> list[bool]:
+        page = pool.get_dummy_flat_data_page()
+        targets = [page.clone() for _ in keys]
+        views = self._core.get_pages(tenant, keys,
+                                     [page.numel() * page.element_size()] * len(keys),
+                                     _dtype(page), name)
+        for slot, target, view in zip(slots, targets, views, strict=True):
+            if view is not None:
+                pool.set_from_flat_data_page(slot, _fill(target, view))
+        return [v is not None for v in views]
+
+    def _set_from(self, tenant: str, name: str, pool: Any, keys: list[str],
+                  slots: list[int]) -> list[bool]:
+        pages = [pool.get_data_page(slot, flat=True) for slot in slots]
+        arrays = [p.detach().contiguous().view(-1).view(_u8()).numpy() for p in pages]
+        return self._core.put_pages(tenant, keys, arrays, _dtype(pages[0]) if pages else "",
+                                    name)
 
     # ------------------------------------------------------------------ lifecycle
     def clear(self) -> None:

@@ -20,13 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
 )
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -120,7 +125,7 @@ def docs_factory(root: str) -> dict[str, Any]:
 def roundtrip(root: str) -> dict[str, Any]:
     cfg = write_config(root, "rt", {"local_cpu": True, "max_local_cpu_size": 0.01,
                                     "local_disk": f"file://{root}/disk"})
-    b = backend(cfg)
+    b = backend(cfg, tier_events=True)
     try:
         keys, want = hashes(3), pages(3, seed=1)
         stored = b.batch_set(keys, want)
@@ -132,7 +137,8 @@ def roundtrip(root: str) -> dict[str, Any]:
         exact = [g is not None and torch.equal(g, w) for g, w in zip(got, want, strict=True)]
         return {"stored": stored, "exist": exist, "exact": exact,
                 "wrong_size": wrong is None, "backup_pgs": stats.backup_pgs,
-                "prefetch_pgs": stats.prefetch_pgs, "counters": ours(stats)}
+                "prefetch_pgs": stats.prefetch_pgs, "counters": ours(stats),
+                "events": stats.kvplugin["events"], "keys": keys}
     finally:
         b.close()
 
@@ -157,8 +163,8 @@ def v1(root: str, layout: str) -> dict[str, Any]:
         missing = b.batch_get_v1(["ef" * 32], dst[:PAGE])
         return {"stored": stored, "got": got, "missing": missing,
                 "exact": [torch.equal(x, w) for x, w in zip(back, want, strict=True)],
-                "page_bytes": b.core.identity.page_bytes, "dtype": b.core.identity.dtype,
-                "layout": b.core.identity.host_layout}
+                "page_bytes": b.core.pools["kv"].page_bytes, "dtype": b.core.pools["kv"].dtype,
+                "layout": b.core.pools["kv"].host_layout}
     finally:
         b.close()
 
@@ -296,8 +302,68 @@ def quota(root: str) -> dict[str, Any]:
         b.close()
 
 
+def mamba_pool() -> MambaPoolHost:
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 4),
+                                conv=(torch.zeros(2, 8, 3, 4),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu",
+                         layout="page_first")
+
+
+def _hybrid(b: Any) -> dict[str, Any]:
+    """v2 calls on a backend with SGLang's KV host pool and its Mamba host pool: four KV
+    pages, Mamba states at the ends of pages 2 and 4 (a trailing-pages pool), existence
+    checks with and without a hole, states and pages read back into other slots."""
+    kv, mamba = host_pool("page_first"), mamba_pool()
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    keys, data = hashes(5, seed=11), pages(4, seed=11)
+    kv_idx = torch.arange(0, 4 * PAGE)
+    for i, d in enumerate(data):
+        kv.set_from_flat_data_page(i * PAGE, d)
+    states = [torch.randint(0, 255, (224,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    for slot, st in zip((1, 2), states, strict=True):
+        mamba.set_from_flat_data_page(slot, st)
+    wrote = b.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=keys[:4], host_indices=kv_idx)])
+    wrote.update(b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=[keys[1], keys[3]],
+                                              host_indices=torch.tensor([1, 2]))]))
+
+    def exists(n: int, policy: PoolHitPolicy, trailing: int = 1) -> dict[str, Any]:
+        r = b.batch_exists_v2(keys[:n], [PoolTransfer(
+            name=PoolName.MAMBA, keys=keys[n - trailing:n], hit_policy=policy)])
+        return {"kv_hit_pages": r.kv_hit_pages, "extra": {str(k): v for k, v in
+                                                          r.extra_pool_hit_pages.items()},
+                "restorable": r.restorable_prefix_pages}
+
+    checks = {"trailing4": exists(4, PoolHitPolicy.TRAILING_PAGES),
+              "trailing5_hole": exists(5, PoolHitPolicy.TRAILING_PAGES),
+              "trailing3": exists(3, PoolHitPolicy.TRAILING_PAGES),
+              "window2": exists(4, PoolHitPolicy.TRAILING_PAGES, 2),
+              "all_pages": exists(4, PoolHitPolicy.ALL_PAGES)}
+    read = b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=[keys[3], keys[0]],
+                                        host_indices=torch.tensor([6, 7])),
+                           PoolTransfer(name=PoolName.KV, keys=keys[:2],
+                                        host_indices=torch.arange(8 * PAGE, 10 * PAGE))])
+    return {"wrote": {str(k): v for k, v in wrote.items()}, **checks,
+            "read": {str(k): v for k, v in read.items()},
+            "state_exact": torch.equal(mamba.get_data_page(6, flat=True), states[1]),
+            "kv_exact": [torch.equal(kv.get_data_page((8 + i) * PAGE, flat=True), data[i])
+                         for i in range(2)]}
+
+
+def hybrid(root: str) -> dict[str, Any]:
+    """The v2 calls on SGLang's HiCacheFile and on kvplugin: the same answers."""
+    ref = HiCacheFile(storage_config({"file_storage_path": f"{root}/hicache-file"}))
+    kvp = backend(write_config(root, "hyb", {"local_disk": f"file://{root}/disk"}))
+    try:
+        return {"file": _hybrid(ref), "kvplugin": _hybrid(kvp)}
+    finally:
+        kvp.close()
+
+
 SCENARIOS = {f.__name__: f for f in (docs_factory, roundtrip, differential, injector,
-                                     tenants, dead_redis, quota)}
+                                     tenants, dead_redis, quota, hybrid)}
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ from side_venv import run_scenarios
 
 SCENARIOS = Path(__file__).with_name("sglang_scenarios.py")
 NAMES = ["roundtrip", "v1@layer_first", "v1@page_first", "differential", "injector",
-         "tenants", "dead_redis", "quota"]
+         "tenants", "dead_redis", "quota", "hybrid"]
 PAGE_BYTES = 2048  # 2 layers x K/V x 16 tokens x 2 heads x 8 dims x bf16
 
 
@@ -61,6 +61,9 @@ def test_legacy_round_trip_is_byte_exact(results: dict[str, Any]) -> None:
     assert c["stored_bytes|default|memory"] == c["stored_bytes|default|disk"] == 3 * PAGE_BYTES
     assert c["loaded_bytes|default"] == 3 * PAGE_BYTES
     assert c["refused_objects|layout"] == 1  # the read into a target of another size
+    # tier_events: the tiers' stores, by SGLang's page hashes.
+    assert [(e["tier"], e["removed"], sorted(e["keys"])) for e in rec["events"]] == [
+        ("memory", False, sorted(rec["keys"])), ("disk", False, sorted(rec["keys"]))]
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -112,3 +115,20 @@ def test_a_tenants_quota_binds_on_bytes_held(results: dict[str, Any]) -> None:
     assert rec["stored"] == [True, True, False] and rec["exists"] == 2
     assert rec["counters"]["stores_shed|q|quota"] == 1
     assert rec["gauges"] == {"held_bytes|q|memory": 2 * PAGE_BYTES}
+
+
+def test_hybrid_v2_answers_as_sglangs_file_backend(results: dict[str, Any]) -> None:
+    """SGLang's KV host pool and its real MambaPoolHost: four KV pages, Mamba states at the
+    ends of pages 2 and 4. The same answers as HiCacheFile for every existence check (a
+    trailing-pages pool, a hole, a window of 2, all pages) and every read."""
+    rec = results["hybrid"]
+    assert rec["kvplugin"] == rec["file"]
+    k = rec["kvplugin"]
+    assert k["wrote"] == {"kv": [True] * 4, "mamba": [True, True]}
+    assert k["trailing4"] == {"kv_hit_pages": 4, "extra": {"kv": 4, "mamba": 4},
+                              "restorable": [2, 4]}
+    assert k["trailing3"] == {"kv_hit_pages": 2, "extra": {"kv": 3, "mamba": 2},
+                              "restorable": [2]}
+    assert k["window2"]["kv_hit_pages"] == k["all_pages"]["kv_hit_pages"] == 0
+    assert k["read"] == {"mamba": [True, False], "kv": [True, True]}
+    assert k["state_exact"] is True and k["kv_exact"] == [True, True]
