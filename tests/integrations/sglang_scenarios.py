@@ -288,6 +288,31 @@ def dead_redis(root: str) -> dict[str, Any]:
         b.close()
 
 
+def slow_tier(root: str) -> dict[str, Any]:
+    """Every tier call sleeps up to 2 s (the config's fault drill): each answer is a miss
+    at its deadline (50 ms to look up, 200 ms to read or write), never a stalled thread."""
+    path = os.path.join(root, "slow.json")
+    with open(path, "w") as f:
+        json.dump({"model": {"name": "kvplugin/sglang-test"},
+                   "offload": {"local_cpu": True, "max_local_cpu_size": 0.01,
+                               "lookup_timeout_ms": 50, "load_timeout_ms": 200,
+                               "store_timeout_ms": 200},
+                   "faults": {"rate": 1.0, "kinds": ["latency"], "latency_ms": 2000,
+                              "seed": 1}}, f)
+    b = backend(path)
+    try:
+        keys = hashes(2, seed=8)
+        t0 = time.monotonic()
+        exists = b.batch_exists(keys)
+        t1 = time.monotonic()
+        got = b.batch_get(keys, zeros(2))
+        t2 = time.monotonic()
+        return {"exists": exists, "exists_s": t1 - t0, "got": [g is None for g in got],
+                "get_s": t2 - t1}
+    finally:
+        b.close()
+
+
 def quota(root: str) -> dict[str, Any]:
     cfg = write_config(root, "quota", {"local_cpu": True, "max_local_cpu_size": 0.01},
                        {"declared": {"q": {"max_tier_bytes": {"memory": 2 * 2048}}}})
@@ -363,7 +388,7 @@ def hybrid(root: str) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (docs_factory, roundtrip, differential, injector,
-                                     tenants, dead_redis, quota, hybrid)}
+                                     tenants, dead_redis, slow_tier, quota, hybrid)}
 
 
 def main(argv: list[str]) -> int:

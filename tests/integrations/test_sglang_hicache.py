@@ -17,7 +17,7 @@ from side_venv import run_scenarios
 
 SCENARIOS = Path(__file__).with_name("sglang_scenarios.py")
 NAMES = ["roundtrip", "v1@layer_first", "v1@page_first", "differential", "injector",
-         "tenants", "dead_redis", "quota", "hybrid"]
+         "tenants", "dead_redis", "slow_tier", "quota", "hybrid"]
 PAGE_BYTES = 2048  # 2 layers x K/V x 16 tokens x 2 heads x 8 dims x bf16
 
 
@@ -108,6 +108,12 @@ def test_a_dead_redis_answers_within_its_deadlines(results: dict[str, Any]) -> N
     assert rec["exists"] == 0 and rec["exists_s"] < 1.0
     assert rec["stored"] is False and rec["got"] == [True, True]
     assert rec["total_s"] < 3.0 and rec["errors"] >= 2
+
+
+def test_a_slow_tier_is_a_miss_at_each_deadline(results: dict[str, Any]) -> None:
+    rec = results["slow_tier"]
+    assert rec["exists"] == 0 and rec["exists_s"] < 0.5
+    assert rec["got"] == [True, True] and rec["get_s"] < 1.0
 
 
 def test_a_tenants_quota_binds_on_bytes_held(results: dict[str, Any]) -> None:
