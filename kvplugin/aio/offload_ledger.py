@@ -474,13 +474,7 @@ class OffloadLedger:
         failed = not ended and result.verified < plan.end
         plan.state = PlanState.FAILED if failed or ended else PlanState.DONE
         s, c = self._stats, self.tenant(plan.request.tenant)
-        for tier, nbytes, state in result.copied:
-            if state:
-                s.loaded_states += 1
-            else:
-                s.loaded_chunks += 1
-            _bump(s.loaded_bytes_by_tier, tier, nbytes)
-            c.loaded_bytes += nbytes
+        self._book_copied(c, result.copied)
         if result.cancelled:
             c.loads_cancelled += 1
         if failed:
@@ -492,8 +486,16 @@ class OffloadLedger:
         """A load of objects the engine named itself ended (vLLM's secondary tier): per
         object copied in, (tier, bytes, whether it is a state); ``failed`` when some object
         was missing or refused (the engine recomputes it)."""
-        s, c = self._stats, self.tenant(tenant)
+        c = self.tenant(tenant)
         c.loads += 1
+        self._book_copied(c, copied)
+        if failed:
+            c.loads_failed += 1
+
+    def _book_copied(self, c: TenantCounters, copied: Sequence[tuple[str, int, bool]]
+                     ) -> None:
+        """Per object a load copied in (tier, bytes, whether it is a state)."""
+        s = self._stats
         for tier, nbytes, state in copied:
             if state:
                 s.loaded_states += 1
@@ -501,8 +503,6 @@ class OffloadLedger:
                 s.loaded_chunks += 1
             _bump(s.loaded_bytes_by_tier, tier, nbytes)
             c.loaded_bytes += nbytes
-        if failed:
-            c.loads_failed += 1
 
     def _check_live(self, rq: OffloadRequest) -> None:
         if rq.closed:

@@ -80,10 +80,8 @@ class KeyedTiers:
     def __init__(self, config_file: str, *, fingerprints: Sequence[str],
                  group_tokens: Sequence[int], blocks_per_chunk: int, object_bytes: int,
                  default_tenant: str, events: bool, who: str, engine: str = "vLLM") -> None:
-        from kvplugin.integrations.vllm import refuse_unenforceable  # the connector's rules
-
         config, _ = _runtime.settings(config_file)
-        refuse_unenforceable(config, who=who, engine=engine)
+        _runtime.refuse_unenforceable(config, who=who, engine=engine)
         self.config = config
         self.who = who
         self.fingerprints = tuple(fingerprints)

@@ -27,7 +27,7 @@ from kvplugin.connectors.faults import FaultInjector
 from kvplugin.plugin import build_connector, fault_wrapper, offload_config
 
 __all__ = ["Runtime", "Timeouts", "acquire", "chunk_tokens_for", "io_cpus", "keyspace_for",
-           "machine_cpus", "release", "settings"]
+           "machine_cpus", "refuse_unenforceable", "release", "settings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +172,32 @@ def release(rt: Runtime) -> None:
             return
         _RUNTIMES.pop(rt.source, None)
     rt.close()
+
+
+def refuse_unenforceable(config: KVPluginConfig, who: str = "KVPluginConnector",
+                         engine: str = "vLLM") -> None:
+    """A deployment key an engine's plug-in point (vLLM's KV connector and secondary tier,
+    SGLang's storage backend) cannot enforce fails its start with one line naming it, never
+    silently ignored: device block quotas belong to the engine's scheduler; prefix groups
+    share device blocks across tenants' salts, which the engine hashes apart; tier quotas
+    need tiers whose names are known before the workers start."""
+    t = config.tenants
+    quotas = [("tenants.default_quota", t.default_quota)]
+    quotas += [(f"tenants.declared.{n}", q) for n, q in (t.declared or {}).items()]
+    for where, q in quotas:
+        for k in ("max_blocks_in_use", "max_cached_blocks"):
+            if getattr(q, k) is not None:
+                raise ValueError(f"{who}: {where}.{k}: device block quotas belong "
+                                 f"to {engine}'s scheduler, which {who} cannot limit; "
+                                 f"remove it for {engine} (tier byte quotas apply)")
+        if q.max_tier_bytes and config.offload.connectors:
+            raise ValueError(f"{who}: {where}.max_tier_bytes: tier byte quotas "
+                             "apply to the built-in tiers only (memory, disk, redis), not "
+                             "with offload.connectors")
+    if t.prefix_groups:
+        raise ValueError(f"{who}: tenants.prefix_groups: {engine} hashes each "
+                         "request's blocks with its cache_salt, so tenants cannot share "
+                         f"prefix blocks through {who}; remove it for {engine}")
 
 
 def chunk_tokens_for(config: KVPluginConfig, block_size: int,

@@ -58,6 +58,7 @@ from kvplugin.integrations import _lookup, _runtime
 from kvplugin.integrations._groups import GroupIO, group_ios, map_groups
 from kvplugin.integrations._hits import Piece
 from kvplugin.integrations._outcomes import KVPluginWorkerMeta
+from kvplugin.integrations._runtime import refuse_unenforceable
 from kvplugin.integrations._scheduler import (
     KVRole,
     LoadSpec,
@@ -71,7 +72,7 @@ from kvplugin.integrations._worker import WorkerSide, check_tiers
 from kvplugin.plugin import offload_config
 
 __all__ = ["KVPluginConnector", "KVPluginConnectorMetadata", "KVPluginWorkerMeta", "LoadSpec",
-           "Piece", "SaveSpec", "tenant_of_salt"]
+           "Piece", "SaveSpec", "refuse_unenforceable", "tenant_of_salt"]
 
 logger = logging.getLogger(__name__)
 
@@ -347,31 +348,6 @@ def _scheduler_side(vllm_config: Any, kv_cache_config: Any, config: KVPluginConf
         events_on=events_on,
         spec_kinds=[_spec_kind(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
         num_workers=max(1, int(getattr(vllm_config.parallel_config, "world_size", 1))))
-
-
-def refuse_unenforceable(config: KVPluginConfig, who: str = "KVPluginConnector",
-                         engine: str = "vLLM") -> None:
-    """A deployment key vLLM's API does not let a KV connector enforce fails the engine's
-    start with one line naming it, never silently ignored: device block quotas belong to
-    vLLM's scheduler; prefix groups share device blocks across tenants' salts, which vLLM
-    hashes apart; tier quotas need tiers whose names are known before the workers start."""
-    t = config.tenants
-    quotas = [("tenants.default_quota", t.default_quota)]
-    quotas += [(f"tenants.declared.{n}", q) for n, q in (t.declared or {}).items()]
-    for where, q in quotas:
-        for k in ("max_blocks_in_use", "max_cached_blocks"):
-            if getattr(q, k) is not None:
-                raise ValueError(f"{who}: {where}.{k}: device block quotas belong "
-                                 f"to {engine}'s scheduler, which {who} cannot limit; "
-                                 f"remove it for {engine} (tier byte quotas apply)")
-        if q.max_tier_bytes and config.offload.connectors:
-            raise ValueError(f"{who}: {where}.max_tier_bytes: tier byte quotas "
-                             "apply to the built-in tiers only (memory, disk, redis), not "
-                             "with offload.connectors")
-    if t.prefix_groups:
-        raise ValueError(f"{who}: tenants.prefix_groups: {engine} hashes each "
-                         "request's blocks with its cache_salt, so tenants cannot share "
-                         f"prefix blocks through {who}; remove it for {engine}")
 
 
 def _load_failure_policy(kv_transfer_config: Any, extra: dict[str, Any],

@@ -86,8 +86,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                    "(with a tier quota)."),
 }
 
+# vLLM's medium and locality of each kvplugin tier (a Redis Cluster is the "redis" tier).
 _MEDIUM_OF = {"memory": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"),
-              "redis": ("CPU", "REMOTE"), "redis_cluster": ("CPU", "REMOTE")}
+              "redis": ("CPU", "REMOTE")}
 
 
 _TAG = 8  # bytes of the tenant's tag on the keys vLLM's lookup front end caches
