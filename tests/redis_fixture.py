@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
+from kvplugin.connectors.cluster_testing import LocalRedisCluster
 from kvplugin.connectors.faults import LocalRedisServer
 
-__all__ = ["clean_env", "local_redis", "start_local_redis"]
+__all__ = ["clean_env", "local_redis", "start_local_cluster", "start_local_redis"]
 
 
 def _unavailable(message: str) -> None:
@@ -37,6 +38,17 @@ def start_local_redis(workdir: str) -> LocalRedisServer:
     except RuntimeError as exc:
         _unavailable(f"redis-server did not start: {exc}")
     return server
+
+
+def start_local_cluster(cluster: LocalRedisCluster) -> LocalRedisCluster:
+    """Start a :class:`LocalRedisCluster` of the test's own, or skip / fail as above."""
+    if not LocalRedisCluster.available():
+        _unavailable("redis-server / redis-cli are not available")
+    try:
+        cluster.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        _unavailable(f"a local Redis Cluster did not start: {exc}")
+    return cluster
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ Redis variants skip, unless ``KVPLUGIN_REQUIRE_REDIS=1`` (CI), where they fail.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from conn_testlib import Subject, redis_options
+from redis_fixture import start_local_cluster
 
 from kvplugin.connectors.base import Connector
 from kvplugin.connectors.cluster_testing import LocalRedisCluster
@@ -69,15 +69,7 @@ def private_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
 
 
 def _start_cluster(cluster: LocalRedisCluster) -> LocalRedisCluster:
-    if not LocalRedisCluster.available():
-        _need_redis()
-    try:
-        cluster.start()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        if os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
-            pytest.fail(f"a local Redis Cluster did not start: {exc}")
-        pytest.skip(f"a local Redis Cluster did not start: {exc}")
-    return cluster
+    return start_local_cluster(cluster)
 
 
 @pytest.fixture(scope="session")

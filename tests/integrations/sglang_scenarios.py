@@ -14,11 +14,11 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import scenario_testlib
 import torch
 from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import (
@@ -51,15 +51,10 @@ def storage_config(extra: dict[str, Any], *, tp: tuple[int, int] = (0, 1),
 
 
 def write_config(root: str, name: str, offload: dict[str, Any],
-                 tenants: dict[str, Any] | None = None) -> str:
-    path = os.path.join(root, f"{name}.json")
-    body: dict[str, Any] = {"model": {"name": "kvplugin/sglang-test"},
-                            "offload": {"local_cpu": False, "local_disk": None, **offload}}
-    if tenants is not None:
-        body["tenants"] = tenants
-    with open(path, "w") as f:
-        json.dump(body, f)
-    return path
+                 tenants: dict[str, Any] | None = None,
+                 faults: dict[str, Any] | None = None) -> str:
+    return scenario_testlib.write_config(root, name, offload, model="kvplugin/sglang-test",
+                                         tenants=tenants, faults=faults)
 
 
 def backend(config_file: str, **extra: Any) -> Any:
@@ -291,14 +286,11 @@ def dead_redis(root: str) -> dict[str, Any]:
 def slow_tier(root: str) -> dict[str, Any]:
     """Every tier call sleeps up to 2 s (the config's fault drill): each answer is a miss
     at its deadline (50 ms to look up, 200 ms to read or write), never a stalled thread."""
-    path = os.path.join(root, "slow.json")
-    with open(path, "w") as f:
-        json.dump({"model": {"name": "kvplugin/sglang-test"},
-                   "offload": {"local_cpu": True, "max_local_cpu_size": 0.01,
-                               "lookup_timeout_ms": 50, "load_timeout_ms": 200,
-                               "store_timeout_ms": 200},
-                   "faults": {"rate": 1.0, "kinds": ["latency"], "latency_ms": 2000,
-                              "seed": 1}}, f)
+    path = write_config(root, "slow", {"local_cpu": True, "max_local_cpu_size": 0.01,
+                                       "lookup_timeout_ms": 50, "load_timeout_ms": 200,
+                                       "store_timeout_ms": 200},
+                        faults={"rate": 1.0, "kinds": ["latency"], "latency_ms": 2000,
+                                "seed": 1})
     b = backend(path)
     try:
         keys = hashes(2, seed=8)
@@ -391,17 +383,9 @@ SCENARIOS = {f.__name__: f for f in (docs_factory, roundtrip, differential, inje
                                      tenants, dead_redis, slow_tier, quota, hybrid)}
 
 
-def main(argv: list[str]) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvplugin-sglang-") as workdir:
-        for arg in argv:
-            name, _, param = arg.partition("@")
-            root = os.path.join(workdir, arg.replace("@", "_"))
-            os.makedirs(root)
-            rec = v1(root, param) if name == "v1" else SCENARIOS[name](root)
-            rec["scenario"] = arg
-            print(json.dumps(rec), flush=True)
-    return 0
+def _run(name: str, param: str, root: str) -> dict[str, Any]:
+    return v1(root, param) if name == "v1" else SCENARIOS[name](root)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(scenario_testlib.scenario_main(sys.argv[1:], "kvplugin-sglang-", _run))

@@ -1,6 +1,6 @@
-"""Where the vLLM side virtualenvs' pythons are: from an environment variable, else the
-default path their setup script uses. Missing: the test skips, or fails under
-``KVPLUGIN_REQUIRE_VLLM=1`` (CI, which builds them)."""
+"""Where the side virtualenvs' pythons are (vLLM's, SGLang's): from an environment
+variable, else the default path their setup script uses. Missing: the test skips, or fails
+under its ``KVPLUGIN_REQUIRE_*=1`` (CI, which builds them)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def side_python(variable: str, venv: str, setup: str) -> str:
+def side_python(variable: str, venv: str, setup: str,
+                require: str = "KVPLUGIN_REQUIRE_VLLM") -> str:
     py = os.environ.get(variable) or str(Path.home() / ".cache" / venv / "bin" / "python")
     if not os.access(py, os.X_OK):
-        msg = f"no vLLM side virtualenv python at {py} (run {setup} or set {variable})"
-        if os.environ.get("KVPLUGIN_REQUIRE_VLLM") == "1":
+        msg = f"no side virtualenv python at {py} (run {setup} or set {variable})"
+        if os.environ.get(require) == "1":
             pytest.fail(msg)
         pytest.skip(msg)
     return py

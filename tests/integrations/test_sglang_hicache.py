@@ -6,42 +6,30 @@ venv (``tools/setup_sglang_venv.sh``; missing: skipped, or failed under
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixture import start_local_redis
-from side_venv import run_scenarios
+from redis_fixture import local_redis
+from side_venv import run_scenarios, side_python
+
+from kvplugin.connectors.faults import LocalRedisServer
 
 SCENARIOS = Path(__file__).with_name("sglang_scenarios.py")
 NAMES = ["roundtrip", "v1@layer_first", "v1@page_first", "differential", "injector",
          "tenants", "dead_redis", "slow_tier", "quota", "hybrid"]
 PAGE_BYTES = 2048  # 2 layers x K/V x 16 tokens x 2 heads x 8 dims x bf16
+__all__ = ["local_redis"]  # a fixture this module uses (pytest finds it by its name here)
 
 
 def _py() -> str:
-    py = os.environ.get("KVPLUGIN_SGLANG_PYTHON") or str(
-        Path.home() / ".cache" / "kvplugin-sglang" / "bin" / "python")
-    if not os.access(py, os.X_OK):
-        msg = f"no SGLang side virtualenv at {py} (run tools/setup_sglang_venv.sh)"
-        if os.environ.get("KVPLUGIN_REQUIRE_SGLANG") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return py
+    return side_python("KVPLUGIN_SGLANG_PYTHON", "kvplugin-sglang",
+                       "tools/setup_sglang_venv.sh", require="KVPLUGIN_REQUIRE_SGLANG")
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_local_redis(str(tmp_path_factory.mktemp("sglang-redis")))
-    yield server.url
-    server.kill()
-
-
-@pytest.fixture(scope="module")
-def results(redis_url: str) -> dict[str, dict[str, Any]]:
-    return run_scenarios(_py(), SCENARIOS, NAMES, env={"KVPLUGIN_SG_REDIS": redis_url})
+def results(local_redis: LocalRedisServer) -> dict[str, dict[str, Any]]:
+    return run_scenarios(_py(), SCENARIOS, NAMES, env={"KVPLUGIN_SG_REDIS": local_redis.url})
 
 
 def test_docs_launch_flags_build_the_backend_through_sglangs_factory(tmp_path: Path) -> None:

@@ -7,14 +7,12 @@ own tiers (a CPU tensor as the primary buffer, jobs submitted and polled). Scena
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_fixture import start_local_redis
+from redis_fixture import local_redis, start_local_cluster
 from side_venv import run_scenarios, side_python
 
 from kvplugin.connectors.cluster_testing import LocalRedisCluster
@@ -29,6 +27,9 @@ K = [f"{i:016x}00000000" for i in range(4)]  # vLLM's OffloadKey hex: hash i, gr
 def _py() -> str:
     return side_python("KVPLUGIN_VLLM_PYTHON", "kvplugin-vllm-reference",
                        "tools/setup_vllm_side_venv.sh")
+
+
+__all__ = ["local_redis"]  # a fixture this module uses (pytest finds it by its name here)
 
 
 @pytest.fixture(scope="module")
@@ -137,30 +138,12 @@ def test_a_window_group_is_looked_up_from_the_end(results: dict[str, Any]) -> No
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_local_redis(str(tmp_path_factory.mktemp("tier-redis")))
-    yield server.url
-    server.kill()
-
-
-@pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A local Redis Cluster of three masters (kvplugin.connectors.cluster_testing)."""
-    cluster = LocalRedisCluster(str(tmp_path_factory.mktemp("tier-cluster")), replicas=0)
-    if not LocalRedisCluster.available():
-        _unavailable("redis-server / redis-cli are not available")
-    try:
-        cluster.start()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        _unavailable(f"a local Redis Cluster did not start: {exc}")
+    cluster = start_local_cluster(LocalRedisCluster(
+        str(tmp_path_factory.mktemp("tier-cluster")), replicas=0))
     yield cluster.url
     cluster.kill_all()
-
-
-def _unavailable(message: str) -> None:
-    if os.environ.get("KVPLUGIN_REQUIRE_REDIS") == "1":
-        pytest.fail(f"{message} and KVPLUGIN_REQUIRE_REDIS=1")
-    pytest.skip(message)
 
 
 @pytest.mark.parametrize("kind", ["disk", "redis", "cluster"])
@@ -173,8 +156,9 @@ def test_a_fresh_process_gets_hits_through_vllms_manager(kind: str, tmp_path: Pa
     redis-server and a Redis Cluster the test starts."""
     env = {"KVPLUGIN_TIER_WORKDIR": str(tmp_path)}
     if kind != "disk":
-        env["KVPLUGIN_TIER_REDIS"] = request.getfixturevalue(
-            "redis_url" if kind == "redis" else "cluster_url")
+        env["KVPLUGIN_TIER_REDIS"] = (request.getfixturevalue("local_redis").url
+                                      if kind == "redis"
+                                      else request.getfixturevalue("cluster_url"))
     py = _py()
     store = run_scenarios(py, SCENARIOS, [f"store_fresh@{kind}"], env=env)
     load = run_scenarios(py, SCENARIOS, [f"load_fresh@{kind}"], env=env)

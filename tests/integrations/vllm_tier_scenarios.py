@@ -15,13 +15,13 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import scenario_testlib
 import torch
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -78,15 +78,10 @@ def spec_stub(events: bool = False, window: int | None = None) -> SimpleNamespac
 
 
 def write_config(root: str, name: str, offload: dict[str, Any],
-                 tenants: dict[str, Any] | None = None) -> str:
-    path = os.path.join(root, f"{name}.json")
-    body: dict[str, Any] = {"model": {"name": "kvplugin/tier-test"},
-                            "offload": {"local_cpu": False, "local_disk": None, **offload}}
-    if tenants is not None:
-        body["tenants"] = tenants
-    with open(path, "w") as f:
-        json.dump(body, f)
-    return path
+                 tenants: dict[str, Any] | None = None,
+                 faults: dict[str, Any] | None = None) -> str:
+    return scenario_testlib.write_config(root, name, offload, model="kvplugin/tier-test",
+                                         tenants=tenants, faults=faults)
 
 
 def direct_tier(config_file: str, rows: int = 8, events: bool = False,
@@ -219,6 +214,18 @@ def _manager(config_file: str, engine_id: str, **entry: Any) -> tuple[Any, Any]:
     return spec, spec.get_manager()
 
 
+def step_until_idle(m: Any, timeout: float = 10.0) -> None:
+    """Idle scheduler steps (vLLM polls its tiers at each step's end) until the tier has
+    no job left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with m.lock:
+            m.on_schedule_end(END)
+            if not m.secondary_tiers[0].has_pending_work():
+                return
+        time.sleep(0.01)
+
+
 def _fresh_config(kind: str) -> str:
     root = os.environ["KVPLUGIN_TIER_WORKDIR"]
     offload = ({"local_disk": f"file://{root}/disk"} if kind == "disk"
@@ -240,14 +247,7 @@ def store_fresh(root: str, kind: str) -> dict[str, Any]:
         fill(view, [int(s) for s in out.store_spec.chunk_ids], seed=7)
         with m.lock:
             m.complete_store(keys, ctx)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with m.lock:
-                m.on_schedule_end(END)
-                busy = m.secondary_tiers[0].has_pending_work()
-            if not busy:
-                break
-            time.sleep(0.01)
+        step_until_idle(m)
         with m.lock:
             m.on_request_finished(ctx)
         return {"slots": [int(s) for s in out.store_spec.chunk_ids],
@@ -355,13 +355,7 @@ def dead_redis(root: str) -> dict[str, Any]:
             with m.lock:
                 m.prepare_store([keys[i]], ctx)
                 m.complete_store([keys[i]], ctx)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                with m.lock:
-                    m.on_schedule_end(END)
-                if not tier.has_pending_work():
-                    break
-                time.sleep(0.01)
+            step_until_idle(m)
             outcomes.append(tier.bp_detector.is_under_pressure())
         st = m.get_stats().data["data"]
         return {"lookups": looked, "resolved_s": took, "pressure": outcomes,
@@ -377,13 +371,10 @@ def dead_redis(root: str) -> dict[str, Any]:
 def slow_tier(root: str) -> dict[str, Any]:
     """Every tier call sleeps (the config's fault drill): a lookup is a miss at its
     deadline, not a stalled scheduler."""
-    path = os.path.join(root, "slow.json")
-    with open(path, "w") as f:
-        json.dump({"model": {"name": "kvplugin/tier-test"},
-                   "offload": {"local_cpu": True, "max_local_cpu_size": 0.01,
-                               "lookup_timeout_ms": 50},
-                   "faults": {"rate": 1.0, "kinds": ["latency"], "latency_ms": 2000,
-                              "seed": 1}}, f)
+    path = write_config(root, "slow", {"local_cpu": True, "max_local_cpu_size": 0.01,
+                                       "lookup_timeout_ms": 50},
+                        faults={"rate": 1.0, "kinds": ["latency"], "latency_ms": 2000,
+                                "seed": 1})
     tier, _ = direct_tier(path)
     try:
         keys = [key(i) for i in range(3)]
@@ -501,20 +492,11 @@ SCENARIOS = {f.__name__: f for f in (docs_factory, roundtrip, damaged, dead_redi
                                      tenants, quota, events, window)}
 
 
-def main(argv: list[str]) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvplugin-tier-") as workdir:
-        for arg in argv:
-            name, _, kind = arg.partition("@")
-            root = os.path.join(workdir, arg.replace("@", "_"))
-            os.makedirs(root)
-            if name in ("store_fresh", "load_fresh"):
-                rec = (store_fresh if name == "store_fresh" else load_fresh)(root, kind)
-            else:
-                rec = SCENARIOS[name](root)
-            rec["scenario"] = arg
-            print(json.dumps(rec), flush=True)
-    return 0
+def _run(name: str, kind: str, root: str) -> dict[str, Any]:
+    if name in ("store_fresh", "load_fresh"):
+        return (store_fresh if name == "store_fresh" else load_fresh)(root, kind)
+    return SCENARIOS[name](root)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(scenario_testlib.scenario_main(sys.argv[1:], "kvplugin-tier-", _run))
