@@ -195,8 +195,9 @@ class KVPluginSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             load, tenant = self._load_keys.pop(o.job_id, (None, ""))
             if load is not None and not o.success:
                 # vLLM's livelock guard: the failed keys' cached HITs turn to misses.
+                copied = set(o.loaded)
                 self._lookups.mark_miss([self._lookups.tagged(k, tenant) for k in load
-                                         if k not in set(o.loaded)])
+                                         if k not in copied])
             partial = load is not None and not o.success and bool(o.loaded)
             out.append(_tb.JobResult(job_id=o.job_id, success=o.success,
                                      successful_keys=tuple(o.loaded) if partial else None,
